@@ -1,0 +1,81 @@
+"""Tasks the integration tests run in a real worker. Settings come from WORKHORSE_* env.
+
+Tasks that tests count record each start as a line in the file named by
+$WORKHORSE_TEST_RUNLOG (one line per start: "<name> <task id> <pid>").
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+from workhorse import App, SoftTimeLimitExceeded
+
+app = App("basic")
+
+
+def _record(name: str, task_id: str | None) -> None:
+    path = os.environ.get("WH_TEST_RUNLOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{name} {task_id} {os.getpid()}\n")
+
+
+@app.task
+def add(x, y):
+    return x + y
+
+
+@app.task
+def fail(message):
+    raise ValueError(message, 42)
+
+
+@app.task(bind=True)
+def record(self, seconds=0.0):
+    _record("record", self.request.id)
+    if seconds:
+        time.sleep(seconds)
+    return self.request.id
+
+
+@app.task(bind=True)
+def context(self):
+    r = self.request
+    return {"id": r.id, "retries": r.retries, "root_id": r.root_id, "parent_id": r.parent_id,
+            "hostname": r.hostname, "called_directly": r.called_directly,
+            "routing_key": r.delivery_info.get("routing_key")}
+
+
+@app.task(bind=True)
+def die(self, how="sigkill"):
+    _record("die", self.request.id)
+    if how == "exit":
+        os._exit(7)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@app.task(bind=True)
+def sleeper(self, seconds):
+    """Sleep in a grandchild process: the hard limit must kill it too."""
+    _record("sleeper", self.request.id)
+    proc = subprocess.Popen(["sleep", str(seconds)])
+    with open(os.environ["WH_TEST_PIDFILE"], "w") as f:
+        f.write(str(proc.pid))
+    proc.wait()
+    return "slept"
+
+
+@app.task(bind=True)
+def soft_catch(self, seconds):
+    try:
+        time.sleep(seconds)
+    except SoftTimeLimitExceeded:
+        return "cleaned up"
+    return "not interrupted"
+
+
+@app.task
+def unencodable():
+    return object()

@@ -1,0 +1,239 @@
+"""Shared fixtures: brokers (SQLite always; Redis and RabbitMQ when up, mandatory in CI) and
+a real worker daemon run as a subprocess in its own session."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI", "").lower() == "true"
+REDIS_URL = os.environ.get("WH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+AMQP_URL = os.environ.get("WH_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+
+def _reachable(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def require_service(name: str, port: int) -> None:
+    """Skip when a broker is absent locally; in CI (CI=true) its absence is a failure."""
+    if _reachable(port):
+        return
+    message = f"{name} is not reachable on 127.0.0.1:{port}"
+    if IN_CI:
+        pytest.fail(f"{message}, and CI=true makes broker tests mandatory")
+    pytest.skip(f"{message}; start it to run this test")
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str,
+               interval: float = 0.02) -> object:
+    """Poll ``condition`` until it is truthy; fail naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+class BrokerEnv:
+    """One broker for one test: a URL, a unique queue, and clean-up."""
+
+    def __init__(self, kind: str, url: str, queue: str) -> None:
+        self.kind = kind
+        self.url = url
+        self.queue = queue
+
+    def connection(self):
+        from kombu import Connection
+        return Connection(self.url)
+
+    def queue_size(self, name: str | None = None) -> int:
+        """Messages ready in a queue (not the ones held unacknowledged by a consumer)."""
+        from workhorse.app import task_queue
+        with self.connection() as conn:
+            q = task_queue(name or self.queue)(conn.default_channel)
+            q.declare()
+            return q.queue_declare(passive=True).message_count
+
+    def drain(self, name: str, limit: int = 1000) -> list:
+        """Take (and ack) every message in a queue: [(headers, body bytes)]."""
+        from workhorse.app import task_queue
+        out = []
+        with self.connection() as conn:
+            q = task_queue(name)(conn.default_channel)
+            q.declare()
+            for _ in range(limit):
+                message = q.get(no_ack=False, accept=["application/json"])
+                if message is None:
+                    break
+                out.append((dict(message.headers), message.body))
+                message.ack()
+        return out
+
+    def cleanup(self) -> None:
+        from workhorse.app import task_queue
+        try:
+            with self.connection() as conn:
+                for name in (self.queue, self.queue + ".dead"):
+                    q = task_queue(name)(conn.default_channel)
+                    try:
+                        q.delete()
+                    except Exception:  # noqa: BLE001
+                        pass
+                    try:
+                        q.exchange.delete()
+                    except Exception:  # noqa: BLE001
+                        pass
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def make_broker(kind: str, tmp_path: Path) -> BrokerEnv:
+    queue = f"t-{uuid.uuid4().hex[:10]}"
+    if kind == "sqlite":
+        return BrokerEnv(kind, f"sqlite:///{tmp_path / 'broker.sqlite3'}", queue)
+    if kind == "redis":
+        require_service("Redis", 6379)
+        return BrokerEnv(kind, REDIS_URL, queue)
+    if kind == "amqp":
+        require_service("RabbitMQ", 5672)
+        return BrokerEnv(kind, AMQP_URL, queue)
+    raise ValueError(kind)
+
+
+@pytest.fixture(params=["sqlite", "redis", "amqp"])
+def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BrokerEnv]:
+    env = make_broker(request.param, tmp_path)
+    yield env
+    env.cleanup()
+
+
+class Worker:
+    """``workhorse worker`` as a subprocess, in its own session so it is cleaned up whole."""
+
+    def __init__(self, tmp_path: Path, env: dict[str, str], args: list[str]) -> None:
+        self.log_path = tmp_path / f"worker-{uuid.uuid4().hex[:6]}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "workhorse", "worker", *args], cwd=ROOT, env=env,
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.pid = self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, pattern: str, timeout: float = 20, count: int = 1) -> str:
+        regex = re.compile(pattern)
+
+        def found() -> bool:
+            if self.proc.poll() is not None and len(regex.findall(self.log())) < count:
+                pytest.fail(f"worker exited ({self.proc.returncode}) before logging "
+                            f"{pattern!r}:\n{self.log()[-4000:]}")
+            return len(regex.findall(self.log())) >= count
+        wait_until(found, timeout, f"log line {pattern!r} x{count}")
+        return self.log()
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        self.wait_for_log(r"ready: consuming", timeout)
+
+    def children(self) -> list[int]:
+        import psutil
+        try:
+            return [p.pid for p in psutil.Process(self.pid).children()]
+        except psutil.Error:
+            return []
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def wait_exit(self, timeout: float = 30) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"worker did not exit within {timeout} s:\n{self.log()[-4000:]}")
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+        return self.wait_exit(timeout)
+
+    def kill(self) -> None:
+        """Remove the worker and everything in its session, whatever state it is in."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+        self._log.close()
+
+
+def worker_env(broker: BrokerEnv, tmp_path: Path, **settings: object) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKHORSE_")}
+    env.update({
+        "PYTHONPATH": str(ROOT),
+        "WORKHORSE_BROKER_URL": broker.url,
+        "WORKHORSE_RESULT_BACKEND": f"sqlite:///{tmp_path / 'results.sqlite3'}",
+        "WORKHORSE_STATE_DIR": str(tmp_path / "state"),
+        "WORKHORSE_QUEUES": broker.queue,
+        "WORKHORSE_CONCURRENCY": "2",
+        "WH_TEST_RUNLOG": str(tmp_path / "runs.log"),
+        "WH_TEST_PIDFILE": str(tmp_path / "grandchild.pid"),
+    })
+    for key, value in settings.items():
+        env[f"WORKHORSE_{key.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+    return env
+
+
+@pytest.fixture
+def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
+    started: list[Worker] = []
+
+    def start(broker: BrokerEnv, app: str = "tests.apps.basic", ready: bool = True,
+              **settings: object) -> Worker:
+        worker = Worker(tmp_path, worker_env(broker, tmp_path, **settings), ["-A", app])
+        started.append(worker)
+        if ready:
+            worker.wait_ready()
+        return worker
+
+    yield start
+    for worker in started:
+        worker.kill()
+
+
+@pytest.fixture
+def client(broker: BrokerEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The test app configured like the worker, for sending and reading results here."""
+    for key, value in worker_env(broker, tmp_path).items():
+        if key.startswith(("WORKHORSE_", "WH_TEST_")):
+            monkeypatch.setenv(key, value)
+    from tests.apps import basic
+    basic.app.configure()
+    yield basic.app
+    basic.app.close()
+
+
+def runs(tmp_path: Path) -> list[tuple[str, str, int]]:
+    """The starts recorded by the test tasks: (task, id, pid)."""
+    path = tmp_path / "runs.log"
+    if not path.exists():
+        return []
+    return [(a, b, int(c)) for a, b, c in (line.split() for line in path.read_text().splitlines())]

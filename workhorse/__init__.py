@@ -1,0 +1,21 @@
+"""workhorse: a prefork worker daemon for Celery-protocol tasks."""
+from __future__ import annotations
+
+from .transport import register as _register_transport
+
+_register_transport()
+
+from .app import App, current_app  # noqa: E402
+from .exceptions import (  # noqa: E402
+    NotRegistered,
+    SoftTimeLimitExceeded,
+    TimeLimitExceeded,
+    TimeoutError,
+    WorkerLostError,
+)
+from .result import AsyncResult  # noqa: E402
+from .task import Task  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["App", "AsyncResult", "Task", "current_app", "NotRegistered",
+           "SoftTimeLimitExceeded", "TimeLimitExceeded", "TimeoutError", "WorkerLostError"]

@@ -1,0 +1,197 @@
+"""The application object: configuration, the task registry, and sending tasks."""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from typing import Any, overload
+
+from kombu import Connection, Exchange, Producer, Queue
+from kombu.exceptions import EncodeError
+
+from .backends import Backend, backend_from_url
+from .config import SETTINGS, ConfigError, Settings, load_settings
+from .protocol import build_message
+from .result import AsyncResult
+from .task import Task, current_context, new_task_id, resolve_times
+
+_SETTING_NAMES = frozenset(s.name for s in SETTINGS)
+_current: list[App] = []
+
+#: How hard a producer tries before ``apply_async`` raises: the caller decides what a
+#: broker outage means for its request, so we do not hang it for long.
+PUBLISH_RETRY_POLICY = {"max_retries": 3, "interval_start": 0.1, "interval_step": 0.5,
+                        "interval_max": 1.0}
+
+
+def current_app() -> App:
+    """The most recently created App (what ``AsyncResult(id)`` uses without ``app=``)."""
+    if not _current:
+        raise RuntimeError("no workhorse App has been created in this process")
+    return _current[-1]
+
+
+def task_queue(name: str) -> Queue:
+    """A queue declared the way Celery declares it: durable, on a direct exchange of its name."""
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)
+
+
+class App:
+    """Holds settings and tasks. ``App("name", broker_url=..., config_file=...)``.
+
+    Keyword arguments are settings (see docs/settings.md); a config file, env vars and the
+    worker's command line override them, in that order.
+    """
+
+    def __init__(self, main: str | None = None, *, config_file: str | os.PathLike[str] | None = None,
+                 **settings: Any) -> None:
+        unknown = set(settings) - _SETTING_NAMES
+        if unknown:
+            raise ConfigError(
+                f"App(...) keyword {sorted(unknown)[0]!r} is not a setting; "
+                "see docs/settings.md for the settings")
+        self.main = main
+        self.config_file = config_file
+        self.code_settings: dict[str, Any] = dict(settings)
+        self.tasks: dict[str, Task] = {}
+        self._settings: Settings | None = None
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._producer_connection: Connection | None = None
+        self._backend: Backend | None = None
+        _current.append(self)
+
+    # -- configuration
+    @property
+    def settings(self) -> Settings:
+        if self._settings is None:
+            self._settings = load_settings(config_file=self.config_file, code=self.code_settings)
+        return self._settings
+
+    def configure(self, settings: Settings | None = None) -> None:
+        """Install settings resolved elsewhere (the worker: with its config file, env, CLI);
+        ``None`` re-reads them from their sources on next use."""
+        self.close()
+        self._settings = settings
+
+    # -- tasks
+    @overload
+    def task(self, fun: Callable[..., Any]) -> Task: ...
+    @overload
+    def task(self, *, name: str | None = None, bind: bool = False, base: type[Task] | None = None,
+             **options: Any) -> Callable[[Callable[..., Any]], Task]: ...
+
+    def task(self, fun: Callable[..., Any] | None = None, *, name: str | None = None,
+             bind: bool = False, base: type[Task] | None = None,
+             **options: Any) -> Task | Callable[[Callable[..., Any]], Task]:
+        """Register a function as a task: ``@app.task`` or ``@app.task(name=..., bind=True)``."""
+        def register(f: Callable[..., Any]) -> Task:
+            task_name = name or self._default_name(f)
+            cls = base or Task
+            if not (isinstance(cls, type) and issubclass(cls, Task)):
+                raise TypeError(f"task {task_name}: base must be a Task subclass, not {cls!r}")
+            if task_name in self.tasks:
+                raise ValueError(f"task {task_name!r} is already registered")
+            task = cls(self, f, task_name, bind, options)
+            self.tasks[task_name] = task
+            return task
+        return register(fun) if fun is not None else register
+
+    def _default_name(self, fun: Callable[..., Any]) -> str:
+        module = fun.__module__
+        if module == "__main__" and self.main:
+            module = self.main
+        return f"{module}.{fun.__qualname__}"
+
+    # -- results
+    @property
+    def backend(self) -> Backend:
+        self._check_fork()
+        if self._backend is None:
+            settings = self.settings
+            self._backend = backend_from_url(settings.result_backend,
+                                             expires=settings.result_expires)
+        return self._backend
+
+    def AsyncResult(self, task_id: str) -> AsyncResult:  # noqa: N802 - Celery's name
+        return AsyncResult(task_id, app=self)
+
+    # -- broker
+    def connection(self) -> Connection:
+        """A new, unconnected kombu Connection to the configured broker."""
+        settings = self.settings
+        return Connection(settings.broker_url, transport_options={
+            "visibility_timeout": settings.visibility_timeout})
+
+    def send_task(self, name: str, args: Sequence[Any] | None = None,
+                  kwargs: Mapping[str, Any] | None = None, *,
+                  countdown: float | None = None, eta: datetime | None = None,
+                  expires: float | datetime | None = None, queue: str | None = None,
+                  priority: int | None = None, time_limit: float | None = None,
+                  soft_time_limit: float | None = None, task_id: str | None = None,
+                  headers: Mapping[str, Any] | None = None, ignore_result: bool | None = None,
+                  shadow: str | None = None, retries: int = 0) -> AsyncResult:
+        """Publish a protocol v2 message for task ``name`` and return its AsyncResult."""
+        if priority is not None and not (isinstance(priority, int) and 0 <= priority <= 255):
+            raise ValueError(f"{name}: priority must be an integer from 0 to 255, not {priority!r}")
+        for what, limit in (("time_limit", time_limit), ("soft_time_limit", soft_time_limit)):
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                                      or limit <= 0):
+                raise ValueError(f"{name}: {what} must be a positive number, not {limit!r}")
+        if time_limit and soft_time_limit and soft_time_limit >= time_limit:
+            raise ValueError(f"{name}: time_limit ({time_limit}) must be greater than "
+                             f"soft_time_limit ({soft_time_limit})")
+        eta, expires_at = resolve_times(countdown, eta, expires)
+        task_id = task_id or new_task_id()
+        parent = current_context()
+        message = build_message(
+            name, task_id, list(args or ()), dict(kwargs or {}),
+            eta=eta, expires=expires_at, retries=retries,
+            time_limit=time_limit, soft_time_limit=soft_time_limit,
+            root_id=parent.root_id if parent else None,
+            parent_id=parent.id if parent else None,
+            ignore_result=ignore_result, shadow=shadow, extra_headers=headers)
+        properties = dict(message.properties)
+        if "expiration" in properties:   # kombu takes seconds and writes the ms string itself
+            properties["expiration"] = int(properties["expiration"]) / 1000
+        queue_name = queue or self.settings.queues[0]
+        try:
+            self._publish(queue_name, message.body, message.headers, priority, properties)
+        except EncodeError as exc:
+            raise TypeError(f"{name}: arguments cannot be sent as JSON: {exc}") from None
+        return AsyncResult(task_id, app=self)
+
+    def _publish(self, queue: str, body: Any, headers: dict[str, Any], priority: int | None,
+                 properties: dict[str, Any]) -> None:
+        self._check_fork()
+        with self._lock:
+            if self._producer_connection is None:
+                self._producer_connection = self.connection()
+            connection = self._producer_connection
+            producer = Producer(connection)
+            producer.publish(
+                body, exchange="", routing_key=queue, serializer="json", headers=headers,
+                declare=[task_queue(queue)], priority=priority, delivery_mode=2,
+                retry=True, retry_policy=PUBLISH_RETRY_POLICY, **properties)
+
+    # -- lifecycle
+    def _check_fork(self) -> None:
+        # Connections never cross fork(): a child starts with its own.
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._producer_connection = None
+            self._backend = None
+
+    def close(self) -> None:
+        """Close broker and result connections held by this process."""
+        if self._pid == os.getpid():
+            if self._producer_connection is not None:
+                self._producer_connection.release()
+            if self._backend is not None:
+                self._backend.close()
+        self._producer_connection = None
+        self._backend = None
+
+    def __repr__(self) -> str:
+        return f"<workhorse.App {self.main or '__main__'} tasks={len(self.tasks)}>"

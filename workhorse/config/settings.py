@@ -1,0 +1,151 @@
+"""Every setting, declared once: name, section, type, default, help, env var, CLI flag.
+
+The declarations drive the TOML/INI loaders, env vars, CLI flags, `workhorse config`,
+the reference in docs/settings.md, and the tests that walk every setting.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import types as t
+
+SECTIONS = ("worker", "broker", "results", "tasks")
+
+BROKER_SCHEMES = ("sqlite", "redis", "rediss", "amqp", "amqps", "pyamqp", "memory")
+RESULT_SCHEMES = ("sqlite", "redis", "rediss")
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    section: str
+    type: t.ValueType
+    default: Any | Callable[[Mapping[str, Any]], Any]
+    help: str
+    default_doc: str | None = None
+    cli: tuple[str, ...] = ()
+
+    @property
+    def env(self) -> str:
+        return "WORKHORSE_" + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return (*self.cli, self.flag)
+
+    @property
+    def derived(self) -> bool:
+        return callable(self.default)
+
+    def default_value(self, resolved: Mapping[str, Any]) -> Any:
+        return self.default(resolved) if callable(self.default) else self.default
+
+
+def _default_state_dir(_: Mapping[str, Any]) -> Path:
+    systemd = os.environ.get("STATE_DIRECTORY")
+    if systemd:
+        return Path(systemd.split(":")[0]).absolute()
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".local" / "state"
+    return (base / "workhorse").absolute()
+
+
+def _check_url(schemes: tuple[str, ...], extra: str = "") -> Callable[[str], str | None]:
+    def check(value: str) -> str | None:
+        scheme = value.split("://", 1)[0] if "://" in value else None
+        if scheme in schemes:
+            return None
+        return f"expected a URL with scheme {', '.join(schemes)}{extra}"
+    return check
+
+
+def _check_backend(value: str) -> str | None:
+    if value == "disabled" or ("://" not in value and "." in value):
+        return None
+    return _check_url(RESULT_SCHEMES, ", \"disabled\" or a class path (package.module:Class)")(value)
+
+
+def _check_app(value: str) -> str | None:
+    module, _, attribute = value.partition(":")
+    if module and all(part.isidentifier() for part in module.split(".")) and (
+            not attribute or attribute.isidentifier()):
+        return None
+    return "expected module or module:attribute"
+
+
+SETTINGS: tuple[Setting, ...] = (
+    # [worker]
+    Setting("app", "worker", t.text(_check_app, "a module or module:attribute").or_none(), None,
+            "The task module to import: `module` or `module:attribute` naming a workhorse App.",
+            cli=("-A",)),
+    Setting("queues", "worker", t.string_list(), ("celery",),
+            "Queues to consume. Tasks sent without a queue go to the first one.", cli=("-Q",)),
+    Setting("concurrency", "worker", t.integer(1, 1024), lambda _: os.cpu_count() or 1,
+            "Number of child processes, each running one task at a time.",
+            default_doc="number of CPUs", cli=("-c",)),
+    Setting("prefetch_multiplier", "worker", t.integer(1, 1000), 4,
+            "The supervisor holds at most concurrency × prefetch_multiplier buffered and running "
+            "messages; 1 fetches only what can start now."),
+    Setting("max_tasks_per_child", "worker", t.integer(1).or_none(), None,
+            "Replace a child after it has run this many tasks (none: never)."),
+    Setting("max_memory_per_child", "worker", t.memory_size().or_none(), None,
+            "Replace a child whose resident memory exceeds this after a task (none: never). "
+            "A bare integer is KiB, as in Celery."),
+    Setting("graceful_timeout", "worker", t.seconds(positive=False), 60.0,
+            "How long a warm shutdown waits for running tasks before killing them."),
+    Setting("loglevel", "worker", t.choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+            "INFO", "Log level of the supervisor and its children.", cli=("-l",)),
+    Setting("hostname", "worker", t.text(), lambda _: "workhorse@" + socket.gethostname(),
+            "This worker's name in logs and in results.", default_doc="workhorse@<host name>",
+            cli=("-n",)),
+    Setting("state_dir", "worker", t.path(), _default_state_dir,
+            "Where the embedded broker and result store live by default.",
+            default_doc="$STATE_DIRECTORY (set by systemd), else $XDG_STATE_HOME/workhorse, "
+                        "else ~/.local/state/workhorse"),
+    # [broker]
+    Setting("broker_url", "broker", t.text(_check_url(BROKER_SCHEMES), "a broker URL"),
+            lambda r: f"sqlite:///{r['state_dir'] / 'broker.sqlite3'}",
+            "The message broker: sqlite:///<path> (embedded), redis://, amqp://.",
+            default_doc="sqlite:///<state_dir>/broker.sqlite3", cli=("-b",)),
+    Setting("visibility_timeout", "broker", t.seconds(positive=True), 3600.0,
+            "How long a message taken but not acknowledged stays leased (SQLite, Redis) before "
+            "the broker hands it out again."),
+    # [results]
+    Setting("result_backend", "results", t.text(_check_backend, "a result store URL"),
+            lambda r: f"sqlite:///{r['state_dir'] / 'results.sqlite3'}",
+            "Where results are stored: sqlite:///<path>, redis://, rediss://, disabled, or a "
+            "Backend class path.", default_doc="sqlite:///<state_dir>/results.sqlite3"),
+    Setting("result_expires", "results", t.seconds(positive=False).or_none(), 86400.0,
+            "Seconds a stored result is kept (0 or none: forever)."),
+    # [tasks]
+    Setting("acks_late", "tasks", t.boolean(), True,
+            "Acknowledge a message after its outcome is final and stored (at-least-once); "
+            "false: when a child starts it (at-most-once)."),
+    Setting("reject_on_worker_lost", "tasks", t.boolean(), True,
+            "With acks_late, requeue a task whose child died (counted toward max_deliveries); "
+            "false: dead-letter it with FAILURE(WorkerLostError)."),
+    Setting("acks_on_failure", "tasks", t.boolean(), True,
+            "With acks_late, acknowledge a task that raised; false: dead-letter it."),
+    Setting("acks_on_timeout", "tasks", t.boolean(), True,
+            "With acks_late, acknowledge a task killed by its hard time limit; false: requeue "
+            "it (counted)."),
+    Setting("max_deliveries", "tasks", t.integer(1, 1000), 3,
+            "A message is started at most this many times; past that it is dead-lettered."),
+    Setting("soft_time_limit", "tasks", t.seconds(positive=True).or_none(), None,
+            "Seconds after which SoftTimeLimitExceeded is raised inside the task."),
+    Setting("time_limit", "tasks", t.seconds(positive=True).or_none(), None,
+            "Seconds after which the child and everything it started is killed."),
+    Setting("track_started", "tasks", t.boolean(), False,
+            "Store the STARTED state when a task starts."),
+)
+
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}

@@ -1,0 +1,178 @@
+"""Value types for settings: each parses text (INI, env, CLI) and native values (TOML,
+App keywords), validates, and says in one line what it accepts."""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+NONE_WORDS = frozenset({"none", ""})
+_TRUE = frozenset({"true", "yes", "on", "1"})
+_FALSE = frozenset({"false", "no", "off", "0"})
+
+
+class Invalid(ValueError):
+    """A value the type does not accept; the loader adds where it came from."""
+
+
+@dataclass(frozen=True)
+class ValueType:
+    """A setting's type. ``parse`` takes text or a native value and returns the value."""
+
+    accepted: str
+    _parse: Callable[[Any], Any]
+    optional: bool = False
+    toml_name: str = "string"
+
+    def parse(self, raw: Any) -> Any:
+        if self.optional and (raw is None or (isinstance(raw, str) and raw.strip().lower() in NONE_WORDS)):
+            return None
+        return self._parse(raw)
+
+    def describe(self) -> str:
+        return f"{self.accepted}, or none" if self.optional else self.accepted
+
+    def or_none(self) -> ValueType:
+        return ValueType(self.accepted, self._parse, True, self.toml_name)
+
+
+def boolean() -> ValueType:
+    def parse(raw: Any) -> bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str):
+            word = raw.strip().lower()
+            if word in _TRUE:
+                return True
+            if word in _FALSE:
+                return False
+        raise Invalid("expected true or false")
+    return ValueType("true or false (also yes/no, on/off, 1/0)", parse, toml_name="boolean")
+
+
+def integer(low: int, high: int | None = None) -> ValueType:
+    accepted = (f"an integer from {low} to {high}" if high is not None
+                else f"an integer of at least {low}")
+
+    def parse(raw: Any) -> int:
+        if isinstance(raw, bool) or isinstance(raw, float):
+            raise Invalid(f"expected {accepted}")
+        if isinstance(raw, str):
+            try:
+                raw = int(raw.strip())
+            except ValueError:
+                raise Invalid(f"expected {accepted}") from None
+        if not isinstance(raw, int):
+            raise Invalid(f"expected {accepted}")
+        if raw < low or (high is not None and raw > high):
+            raise Invalid(f"expected {accepted}")
+        return raw
+    return ValueType(accepted, parse, toml_name="integer")
+
+
+def seconds(*, positive: bool) -> ValueType:
+    accepted = "a number of seconds greater than 0" if positive else "a number of seconds, 0 or more"
+
+    def parse(raw: Any) -> float:
+        if isinstance(raw, bool):
+            raise Invalid(f"expected {accepted}")
+        if isinstance(raw, str):
+            try:
+                raw = float(raw.strip())
+            except ValueError:
+                raise Invalid(f"expected {accepted}") from None
+        if not isinstance(raw, (int, float)) or raw != raw or raw in (float("inf"),):
+            raise Invalid(f"expected {accepted}")
+        if raw < 0 or (positive and raw == 0):
+            raise Invalid(f"expected {accepted}")
+        return float(raw)
+    return ValueType(accepted, parse, toml_name="float")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3,
+          "GB": 1000**3, "T": 1000**4, "TB": 1000**4, "KI": 1024, "KIB": 1024, "MI": 1024**2,
+          "MIB": 1024**2, "GI": 1024**3, "GIB": 1024**3, "TI": 1024**4, "TIB": 1024**4}
+
+
+def memory_size() -> ValueType:
+    """An integer is KiB (Celery's worker_max_memory_per_child); strings may carry a unit."""
+    accepted = ("a memory size: an integer number of KiB, or a number with a unit "
+                "(512KiB, 200MiB, 1GiB; KB/MB/GB are powers of 1000)")
+
+    def parse(raw: Any) -> int:
+        if isinstance(raw, bool) or isinstance(raw, float):
+            raise Invalid(f"expected {accepted}")
+        if isinstance(raw, int):
+            if raw < 1:
+                raise Invalid(f"expected {accepted}")
+            return raw * 1024
+        if isinstance(raw, str):
+            match = _SIZE.match(raw)
+            if match:
+                number, unit = float(match.group(1)), (match.group(2) or "").upper()
+                if not unit:
+                    if number != int(number):
+                        raise Invalid(f"expected {accepted}")
+                    value = int(number) * 1024
+                else:
+                    value = int(number * _UNITS[unit])
+                if value >= 1:
+                    return value
+        raise Invalid(f"expected {accepted}")
+    return ValueType(accepted, parse, toml_name="integer or string")
+
+
+def choice(*options: str) -> ValueType:
+    accepted = "one of " + ", ".join(options)
+
+    def parse(raw: Any) -> str:
+        if isinstance(raw, str) and raw.strip().upper() in options:
+            return raw.strip().upper()
+        raise Invalid(f"expected {accepted}")
+    return ValueType(accepted, parse)
+
+
+def text(check: Callable[[str], str | None] | None = None, accepted: str = "a non-empty string") -> ValueType:
+    """A string; ``check`` returns a complaint or None."""
+    def parse(raw: Any) -> str:
+        if not isinstance(raw, str) or not raw.strip():
+            raise Invalid(f"expected {accepted}")
+        value = raw.strip()
+        complaint = check(value) if check else None
+        if complaint:
+            raise Invalid(complaint)
+        return value
+    return ValueType(accepted, parse)
+
+
+def string_list() -> ValueType:
+    accepted = "a list of names (a TOML array, or comma-separated)"
+
+    def parse(raw: Any) -> tuple[str, ...]:
+        if isinstance(raw, str):
+            items = [part.strip() for part in raw.split(",")]
+        elif isinstance(raw, (list, tuple)) and all(isinstance(i, str) for i in raw):
+            items = [i.strip() for i in raw]
+        else:
+            raise Invalid(f"expected {accepted}")
+        if not items or any(not item for item in items):
+            raise Invalid(f"expected {accepted}, none of them empty")
+        if len(set(items)) != len(items):
+            raise Invalid(f"expected {accepted}, without repeats")
+        return tuple(items)
+    return ValueType(accepted, parse, toml_name="array of strings")
+
+
+def path() -> ValueType:
+    accepted = "a directory path (relative paths are taken from the current directory)"
+
+    def parse(raw: Any) -> Path:
+        if isinstance(raw, Path):
+            raw = str(raw)
+        if not isinstance(raw, str) or not raw.strip():
+            raise Invalid(f"expected {accepted}")
+        return Path(raw.strip()).expanduser().absolute()
+    return ValueType(accepted, parse)

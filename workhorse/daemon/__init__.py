@@ -1,0 +1,1 @@
+"""The worker daemon: supervisor loop, broker consumer, signals, CLI."""

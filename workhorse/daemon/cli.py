@@ -1,0 +1,95 @@
+"""The ``workhorse`` command: ``worker``, ``config``."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+from collections.abc import Sequence
+
+from .. import __version__
+from ..app import App
+from ..config import ConfigError, Settings, add_setting_arguments, cli_values, load_settings, render_settings
+from ..exceptions import AppImportError
+from .appload import load_app
+from .exitcodes import ExitCode
+
+LOG_FORMAT = "[%(asctime)s %(levelname)s %(processName)s %(process)d] %(message)s"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="workhorse", description="Run Celery-protocol tasks from a message broker.")
+    parser.add_argument("--version", action="version", version=f"workhorse {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    worker = commands.add_parser("worker", help="run the worker daemon",
+                                 description="Run the supervisor and its prefork pool.")
+    _add_common(worker)
+
+    config = commands.add_parser(
+        "config", help="print the effective settings and where each comes from",
+        description="Print the effective settings as TOML, each with its source.")
+    config.add_argument("--check", action="store_true",
+                        help="only validate (settings and that the app imports); print nothing "
+                             "but errors")
+    _add_common(config)
+    return parser
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE",
+                        help="TOML or INI config file (default: $WORKHORSE_CONFIG); drop-ins are "
+                             "read from workhorse.d/ beside it")
+    add_setting_arguments(parser)
+
+
+def resolve(args: argparse.Namespace) -> tuple[Settings, App | None]:
+    """Settings from every source, and the App they name (imported) if any.
+
+    Two passes: the first finds ``app`` (it may come from the file or env); the app's own
+    ``App(...)`` keywords then take their place between defaults and files.
+    """
+    cli = cli_values(args)
+    settings = load_settings(config_file=args.config, cli=cli)
+    if not settings.app:
+        return settings, None
+    app = load_app(settings.app)
+    settings = load_settings(config_file=args.config or app.config_file,
+                             code=app.code_settings, cli=cli)
+    app.configure(settings)
+    return settings, app
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings, app = resolve(args)
+    except ConfigError as exc:
+        print(f"workhorse: configuration error: {exc}", file=sys.stderr)
+        return ExitCode.CONFIG
+    except AppImportError as exc:
+        if exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__, file=sys.stderr)
+        print(f"workhorse: {exc}", file=sys.stderr)
+        return ExitCode.APP_IMPORT
+    if args.command == "config":
+        return _config(args, settings)
+    return _worker(settings, app)
+
+
+def _config(args: argparse.Namespace, settings: Settings) -> int:
+    if not args.check:
+        sys.stdout.write(render_settings(settings))
+    return ExitCode.OK
+
+
+def _worker(settings: Settings, app: App | None) -> int:
+    if app is None:
+        print("workhorse: no task module to run: give -A module[:attribute] or set app in "
+              "the [worker] section", file=sys.stderr)
+        return ExitCode.CONFIG
+    logging.basicConfig(level=settings.loglevel, format=LOG_FORMAT, stream=sys.stderr)
+    from .supervisor import Supervisor
+    return Supervisor(app, settings).run()

@@ -1,0 +1,245 @@
+"""The supervisor's broker connection: fetching messages and settling them.
+
+It never blocks waiting for messages. The loop watches ``fds()`` and calls ``pump()`` when
+one is readable (and, for brokers without a socket to watch, on a short timer); ``pump``
+drains what is already there with kombu's ``drain_events(timeout=0)``.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from queue import Empty
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from functools import partial
+from typing import Any
+
+from kombu import Connection, Consumer, Producer
+from kombu.message import Message
+
+from ..app import App, task_queue
+from ..protocol import DELIVERIES_HEADER
+
+log = logging.getLogger("workhorse.consumer")
+
+DEAD_SUFFIX = ".dead"
+DEAD_REASON_HEADER = "x-workhorse-dead-reason"
+DEAD_TASK_HEADER = "x-workhorse-dead-task-id"
+DEAD_AT_HEADER = "x-workhorse-dead-at"
+DEAD_QUEUE_HEADER = "x-workhorse-dead-queue"
+DEAD_WORKER_HEADER = "x-workhorse-dead-worker"
+
+#: Message properties carried over when a message is re-published (dead-letter, requeue).
+_KEPT_PROPERTIES = ("correlation_id", "reply_to", "priority")
+#: Brokers with no socket to watch: polled this often while the worker has room.
+POLL_INTERVAL = 0.05
+
+OnMessage = Callable[[str, Message], None]
+
+
+def dead_letter_queue(queue: str) -> str:
+    return queue + DEAD_SUFFIX
+
+
+class BrokerConsumer:
+    def __init__(self, app: App, queues: list[str], on_message: OnMessage) -> None:
+        self.app = app
+        self.queues = queues
+        self.on_message = on_message
+        self.connection: Connection | None = None
+        self.consumers: list[Consumer] = []
+        self.producer: Producer | None = None
+        self.driver: _Driver | None = None
+        self.consuming = False
+
+    # -- lifecycle
+    def connect(self, prefetch_count: int) -> None:
+        connection = self.app.connection()
+        connection.ensure_connection(max_retries=3, interval_start=0.2, interval_step=0.5)
+        channel = connection.channel()
+        self.connection = connection
+        self.consumers = [
+            Consumer(channel, [task_queue(q)], on_message=partial(self.on_message, q),
+                     no_ack=False, auto_declare=True)
+            for q in self.queues]
+        self.set_prefetch(prefetch_count)
+        for consumer in self.consumers:
+            consumer.consume()
+        self.producer = Producer(connection.channel())
+        self.driver = _driver_for(connection)
+        self.consuming = True
+
+    def close(self) -> None:
+        """Close the connection; the broker gets back whatever is still unacknowledged."""
+        if self.connection is not None:
+            try:
+                self.connection.release()
+            except Exception as exc:  # noqa: BLE001 - closing a broken connection
+                log.debug("closing the broker connection: %r", exc)
+        self.connection = None
+        self.driver = None
+        self.consuming = False
+
+    def cancel(self) -> None:
+        """Stop fetching; what is already held stays held."""
+        if not self.consuming:
+            return
+        self.consuming = False
+        for consumer in self.consumers:
+            try:
+                consumer.cancel()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("could not cancel consuming from %s: %r", consumer.queues, exc)
+
+    # -- fetching
+    def tick(self) -> None:
+        """Before each wait: let the driver (re)issue what it needs, e.g. Redis's BRPOP."""
+        if self.driver is not None and self.consuming:
+            self.driver.tick()
+
+    def fds(self) -> set[int]:
+        """The sockets to watch right now (Redis changes them on reconnect)."""
+        return self.driver.fds() if self.driver is not None else set()
+
+    def on_readable(self, fd: int) -> None:
+        if self.driver is not None:
+            self.driver.on_readable(fd)
+
+    @property
+    def polled(self) -> bool:
+        """True for brokers with no socket to watch (SQLite, memory): call ``poll()``."""
+        return isinstance(self.driver, _PolledDriver)
+
+    def poll(self) -> None:
+        if self.driver is not None and self.consuming:
+            _drain(self.driver.connection)
+
+    def periodic(self) -> list[tuple[float, Callable[[], None]]]:
+        """Housekeeping the driver needs every so often: (interval, function)."""
+        return self.driver.periodic() if self.driver is not None else []
+
+    def set_prefetch(self, count: int) -> None:
+        for consumer in self.consumers[:1]:   # one channel: its QoS covers every consumer
+            consumer.qos(prefetch_count=count)
+
+    # -- settling
+    def ack(self, message: Message) -> None:
+        message.ack()
+
+    def requeue(self, message: Message) -> None:
+        """Back to the queue, unchanged: not a delivery that counts."""
+        message.reject(requeue=True)
+
+    def republish(self, queue: str, message: Message, headers: Mapping[str, Any]) -> None:
+        """Publish a copy with extra headers to ``queue``; the caller then acks the original."""
+        assert self.producer is not None
+        merged = dict(message.headers or {})
+        merged.update(headers)
+        properties = {k: message.properties[k] for k in _KEPT_PROPERTIES
+                      if message.properties.get(k) is not None}
+        self.producer.publish(
+            message.body, exchange="", routing_key=queue, headers=merged,
+            content_type=message.content_type, content_encoding=message.content_encoding,
+            declare=[task_queue(queue)], delivery_mode=2, retry=True,
+            retry_policy={"max_retries": 5, "interval_start": 0.1, "interval_max": 1.0},
+            **properties)
+
+    def requeue_counted(self, queue: str, message: Message, deliveries: int) -> None:
+        """Back to the queue as a delivery that counts: a copy carrying the count, then ack."""
+        self.republish(queue, message, {DELIVERIES_HEADER: deliveries})
+        message.ack()
+
+    def dead_letter(self, queue: str, message: Message, reason: str, task_id: str | None,
+                    worker: str, *, acked: bool) -> None:
+        """A copy with the reason into ``<queue>.dead``, then ack (unless acked already)."""
+        self.republish(dead_letter_queue(queue), message, {
+            DEAD_REASON_HEADER: reason,
+            DEAD_TASK_HEADER: task_id,
+            DEAD_AT_HEADER: datetime.now(timezone.utc).isoformat(),
+            DEAD_QUEUE_HEADER: queue,
+            DEAD_WORKER_HEADER: worker,
+        })
+        if not acked:
+            message.ack()
+
+
+def _drain(connection: Connection, max_messages: int = 1000) -> None:
+    """Deliver what the broker already sent us, without waiting for more."""
+    for _ in range(max_messages):
+        try:
+            connection.drain_events(timeout=0)
+        except socket.timeout:
+            return
+
+
+class _Driver:
+    """How the loop watches and reads one kind of broker connection."""
+
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+
+    def tick(self) -> None:
+        return None
+
+    def fds(self) -> set[int]:
+        return set()
+
+    def on_readable(self, fd: int) -> None:
+        _drain(self.connection)
+
+    def periodic(self) -> list[tuple[float, Callable[[], None]]]:
+        return []
+
+
+class _AmqpDriver(_Driver):
+    def __init__(self, connection: Connection) -> None:
+        super().__init__(connection)
+        # As kombu's own event-loop hookup does: an empty non-blocking read raises
+        # socket.timeout instead of spinning on EAGAIN.
+        connection.connection.transport.raise_on_initial_eintr = True
+
+    def fds(self) -> set[int]:
+        return {self.connection.connection.sock.fileno()}
+
+    def periodic(self) -> list[tuple[float, Callable[[], None]]]:
+        heartbeat = self.connection.get_heartbeat_interval()
+        if not heartbeat:
+            return []
+        return [(heartbeat / 4, lambda: self.connection.heartbeat_check(rate=4))]
+
+
+class _RedisDriver(_Driver):
+    """kombu's Redis poller driven from our loop, as kombu's own event-loop hookup does."""
+
+    def __init__(self, connection: Connection) -> None:
+        super().__init__(connection)
+        self.cycle = connection.transport.cycle
+
+    def tick(self) -> None:
+        self.cycle.on_poll_start()     # sends BRPOP when the channel may take a message
+
+    def fds(self) -> set[int]:
+        return set(self.cycle.fds)
+
+    def on_readable(self, fd: int) -> None:
+        try:
+            self.cycle.on_readable(fd)
+        except Empty:                  # BRPOP timed out server-side: reissued next tick
+            pass
+
+    def periodic(self) -> list[tuple[float, Callable[[], None]]]:
+        return [(10.0, self.cycle.maybe_restore_messages),
+                (25.0, self.cycle.maybe_check_brpop_health)]
+
+
+class _PolledDriver(_Driver):
+    """Brokers without a socket (SQLite, memory): the loop calls ``poll()`` on a timer."""
+
+
+def _driver_for(connection: Connection) -> _Driver:
+    driver_type = connection.transport.driver_type
+    if driver_type == "amqp":
+        return _AmqpDriver(connection)
+    if driver_type == "redis":
+        return _RedisDriver(connection)
+    return _PolledDriver(connection)

@@ -1,0 +1,37 @@
+"""A held message: what the supervisor knows about one message it has not settled yet."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from kombu.message import Message
+
+from ..outcome import Policy
+from ..protocol import Request
+
+
+class Stage(str, enum.Enum):
+    BUFFERED = "buffered"      # waiting for an idle child
+    SCHEDULED = "scheduled"    # waiting for its ETA
+    RUNNING = "running"        # a child runs it
+    SETTLED = "settled"
+
+
+@dataclass(eq=False)
+class Delivery:
+    seq: int
+    queue: str
+    message: Message
+    request: Request
+    task: Any                  # the registered Task
+    policy: Policy
+    stage: Stage = Stage.BUFFERED
+    acked: bool = False        # acked at start (acks_late = false)
+    started: bool = False
+    deliveries: int = 0        # starts counted, including this one once started
+    timer: Any = field(default=None, repr=False)   # its ETA timer while SCHEDULED
+
+    @property
+    def label(self) -> str:
+        return f"{self.request.task}[{self.request.id}]"

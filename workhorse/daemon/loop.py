@@ -1,0 +1,83 @@
+"""The supervisor's event loop: one selector, one timer heap, one thread.
+
+Readers are callbacks stored in ``SelectorKey.data``; timers are the loop's timeout, so a
+deadline (time limit, ETA, back-off) is never a sleep.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import selectors
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+Callback = Callable[[], None]
+
+
+@dataclass(order=True)
+class Timer:
+    when: float
+    seq: int
+    callback: Callback = field(compare=False)
+    cancelled: bool = field(default=False, compare=False)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Loop:
+    def __init__(self) -> None:
+        self.selector = selectors.DefaultSelector()
+        self._timers: list[Timer] = []
+        self._seq = itertools.count()
+
+    # -- readers
+    def add_reader(self, fd: int, callback: Callback) -> None:
+        self.selector.register(fd, selectors.EVENT_READ, callback)
+
+    def remove_reader(self, fd: int) -> None:
+        try:
+            self.selector.unregister(fd)
+        except (KeyError, ValueError):
+            pass
+
+    def readers(self) -> set[int]:
+        return {key.fd for key in self.selector.get_map().values()}
+
+    # -- timers
+    def call_at(self, when: float, callback: Callback) -> Timer:
+        timer = Timer(when, next(self._seq), callback)
+        heapq.heappush(self._timers, timer)
+        return timer
+
+    def call_later(self, delay: float, callback: Callback) -> Timer:
+        return self.call_at(time.monotonic() + delay, callback)
+
+    def next_timeout(self, now: float) -> float | None:
+        timers = self._timers
+        while timers and timers[0].cancelled:
+            heapq.heappop(timers)
+        if not timers:
+            return None
+        return max(0.0, timers[0].when - now)
+
+    # -- one turn
+    def run_once(self, max_timeout: float | None = None) -> None:
+        """Wait for I/O or the next timer (at most ``max_timeout``), then run what is due."""
+        timeout = self.next_timeout(time.monotonic())
+        if max_timeout is not None:
+            timeout = max_timeout if timeout is None else min(timeout, max_timeout)
+        for key, _mask in self.selector.select(timeout):
+            key.data()
+        self._run_due(time.monotonic())
+
+    def _run_due(self, now: float) -> None:
+        timers = self._timers
+        while timers and (timers[0].cancelled or timers[0].when <= now):
+            timer = heapq.heappop(timers)
+            if not timer.cancelled:
+                timer.callback()
+
+    def close(self) -> None:
+        self.selector.close()

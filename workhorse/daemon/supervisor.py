@@ -1,0 +1,579 @@
+"""The supervisor: one thread, one loop, one object per child.
+
+It holds the prefetch buffer, hands one task at a time to each idle child, enforces time
+limits from its timer heap, replaces children that die, and settles every message as
+SEMANTICS.md says. Signals only wake the loop; ``handle_<signal>`` methods act on them.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from kombu.message import Message
+
+from ..exceptions import (
+    MalformedMessage,
+    NotRegistered,
+    TimeLimitExceeded,
+    TooManyDeliveries,
+    WorkerLostError,
+)
+from ..outcome import Action, Decision, Outcome, Policy, Store, decide
+from ..pool.child import Child, ChildState, describe_exit
+from ..pool.ipc import Done, FrameReader, Hello, Job
+from ..pool.limits import SOFT_LIMIT_SIGNAL
+from ..pool.runtime import ChildRuntime
+from ..pool.spawn import spawn
+from ..protocol import parse_request
+from . import systemd
+from .consumer import POLL_INTERVAL, BrokerConsumer
+from .delivery import Delivery, Stage
+from .loop import Loop
+from .signals import SignalPipe
+
+if TYPE_CHECKING:
+    from ..app import App
+    from ..config import Settings
+
+log = logging.getLogger("workhorse.supervisor")
+
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD,
+                   signal.SIGUSR1)
+#: Consecutive crashes of a child slot back off from this delay, doubling, up to the cap.
+CRASH_BACKOFF_START = 0.1
+CRASH_BACKOFF_MAX = 10.0
+
+
+class Phase(str, enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    WARM = "warm shutdown"     # no new work; running tasks finish
+    COLD = "cold shutdown"     # running tasks are killed
+    STOPPED = "stopped"
+
+
+class Supervisor:
+    def __init__(self, app: App, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+        self.hostname: str = settings.hostname
+        self.concurrency: int = settings.concurrency
+        self.window: int = settings.concurrency * settings.prefetch_multiplier
+        self.loop = Loop()
+        self.signals = SignalPipe(HANDLED_SIGNALS)
+        self.consumer = BrokerConsumer(app, list(settings.queues), self.on_message)
+        self.children: list[Child | None] = [None] * self.concurrency
+        self.readers: dict[int, FrameReader] = {}
+        self.buffer: deque[Delivery] = deque()
+        self.scheduled: set[Delivery] = set()
+        self.phase = Phase.STARTING
+        self.exit_code = 0
+        self._seq = itertools.count(1)
+        self._crashes = [0] * self.concurrency
+        self._respawn_timers: list[Any] = [None] * self.concurrency
+        self._interrupts = 0
+        self._broker_fds: set[int] = set()
+        self._baseline_fds: set[int] = set()
+        self._want_poll = False
+
+    # ------------------------------------------------------------------ running
+    @property
+    def running(self) -> int:
+        return sum(1 for c in self.children if c is not None and c.busy)
+
+    @property
+    def held(self) -> int:
+        """Buffered + running: what the prefetch window bounds."""
+        return len(self.buffer) + self.running
+
+    def run(self) -> int:
+        """Run until shut down; return the process exit status."""
+        self._baseline_fds = _open_fds()
+        self.signals.install()
+        self.loop.add_reader(self.signals.read_fd, self._on_signals)
+        try:
+            self.consumer.connect(prefetch_count=self.window)
+            self._log_banner()
+            for index in range(self.concurrency):
+                self._spawn(index)
+            for interval, function in self.consumer.periodic():
+                self._every(interval, function)
+            if self.consumer.polled:
+                self._every(POLL_INTERVAL, self._poll_timer)
+            watchdog = systemd.watchdog_interval()
+            if watchdog:
+                self._every(watchdog, lambda: systemd.notify("WATCHDOG=1"))
+            self.phase = Phase.RUNNING
+            systemd.notify(f"READY=1\nSTATUS=consuming {', '.join(self.settings.queues)}")
+            log.info("ready: consuming %s", ", ".join(self.settings.queues))
+            while self.phase is not Phase.STOPPED:
+                self._before_wait()
+                self.loop.run_once()
+                self._after_events()
+        except BaseException:
+            log.critical("supervisor failed; killing children, unsettled messages go back "
+                         "to the broker", exc_info=True)
+            self._kill_all()
+            self.exit_code = 1
+        finally:
+            self.consumer.close()
+            self.signals.restore()
+            self.loop.close()
+        log.info("workhorse %s stopped", self.hostname)
+        return self.exit_code
+
+    def _log_banner(self) -> None:
+        s = self.settings
+        log.info("workhorse %s: %d children, prefetch window %d, queues %s",
+                 self.hostname, self.concurrency, self.window, ", ".join(s.queues))
+        log.info("broker: %s", _redact(s.broker_url))
+        log.info("results: %s", _redact(s.result_backend))
+        log.info("state directory: %s", s.state_dir)
+        log.info("tasks: %s", ", ".join(sorted(self.app.tasks)) or "(none registered)")
+
+    def _every(self, interval: float, function: Callable[[], None]) -> None:
+        def fire() -> None:
+            if self.phase is Phase.STOPPED:
+                return
+            try:
+                function()
+            except Exception:  # noqa: BLE001 - housekeeping must not stop the loop
+                log.exception("periodic %s failed", getattr(function, "__name__", function))
+            self.loop.call_later(interval, fire)
+        self.loop.call_later(interval, fire)
+
+    def _before_wait(self) -> None:
+        if self.phase is Phase.RUNNING:
+            self.consumer.tick()
+            self._sync_broker_fds()
+
+    def _after_events(self) -> None:
+        self._dispatch()
+        if self._want_poll and self.phase is Phase.RUNNING and self.held < self.window:
+            self._want_poll = False
+            self.consumer.poll()
+            self._dispatch()
+        self._maybe_stopped()
+
+    def _poll_timer(self) -> None:
+        self._want_poll = True
+
+    def _sync_broker_fds(self) -> None:
+        current = self.consumer.fds()
+        if current == self._broker_fds:
+            return
+        for fd in self._broker_fds - current:
+            self.loop.remove_reader(fd)
+        for fd in current - self._broker_fds:
+            self.loop.add_reader(fd, lambda fd=fd: self._on_broker_readable(fd))
+        self._broker_fds = current
+
+    def _on_broker_readable(self, fd: int) -> None:
+        self.consumer.on_readable(fd)
+
+    # ------------------------------------------------------------------ messages
+    def on_message(self, queue: str, message: Message) -> None:
+        """kombu hands us one raw message (not decoded: the child decodes the body)."""
+        if self.phase is not Phase.RUNNING:
+            message.reject(requeue=True)   # arrived after we stopped fetching: not ours
+            return
+        try:
+            request = parse_request(message.headers)
+        except MalformedMessage as exc:
+            self._dead_letter_malformed(queue, message, str(exc))
+            return
+        task = self.app.tasks.get(request.task)
+        policy = self._policy(task)
+        delivery = Delivery(next(self._seq), queue, message, request, task, policy)
+        if task is None:
+            log.error("%s: unknown task; dead-lettered to %s.dead (is the worker's app the "
+                      "one that defines it?)", delivery.label, queue)
+            self._settle(delivery, Outcome.UNKNOWN_TASK, str(NotRegistered(request.task)))
+            return
+        now = datetime.now(timezone.utc)
+        if request.expires is not None and request.expires <= now:
+            log.info("%s: expired at %s, not run", delivery.label, request.expires.isoformat())
+            self._settle(delivery, Outcome.EXPIRED, "expired before it started")
+            return
+        if request.deliveries >= policy.max_deliveries:
+            log.error("%s: started %d times already (max_deliveries=%d); dead-lettered",
+                      delivery.label, request.deliveries, policy.max_deliveries)
+            self._settle(delivery, Outcome.TOO_MANY_DELIVERIES,
+                         f"started {request.deliveries} times (max_deliveries="
+                         f"{policy.max_deliveries})")
+            return
+        if request.eta is not None and request.eta > now:
+            self._schedule(delivery, (request.eta - now).total_seconds())
+            return
+        self.buffer.append(delivery)
+
+    def _policy(self, task: Any) -> Policy:
+        s = self.settings
+
+        def pick(name: str) -> Any:
+            value = getattr(task, name, None) if task is not None else None
+            return s[name] if value is None else value
+        return Policy(acks_late=pick("acks_late"),
+                      reject_on_worker_lost=pick("reject_on_worker_lost"),
+                      acks_on_failure=pick("acks_on_failure"),
+                      acks_on_timeout=pick("acks_on_timeout"),
+                      max_deliveries=pick("max_deliveries"))
+
+    def _schedule(self, delivery: Delivery, delay: float) -> None:
+        """Hold an ETA message in the supervisor; it does not take a prefetch slot."""
+        delivery.stage = Stage.SCHEDULED
+        self.scheduled.add(delivery)
+        # The broker counts it as unacknowledged: widen its QoS so it does not block others.
+        self.consumer.set_prefetch(self.window + len(self.scheduled))
+        delivery.timer = self.loop.call_later(delay, lambda: self._eta_reached(delivery))
+
+    def _eta_reached(self, delivery: Delivery) -> None:
+        if delivery not in self.scheduled:
+            return
+        self.scheduled.discard(delivery)
+        self.consumer.set_prefetch(self.window + len(self.scheduled))
+        delivery.stage = Stage.BUFFERED
+        self.buffer.appendleft(delivery)  # its time has come: ahead of later arrivals
+
+    def _dead_letter_malformed(self, queue: str, message: Message, reason: str) -> None:
+        log.error("malformed message on %s dead-lettered to %s.dead: %s", queue, queue, reason)
+        try:
+            self.consumer.dead_letter(queue, message, f"malformed: {reason}", None,
+                                      self.hostname, acked=False)
+        except Exception:  # noqa: BLE001
+            log.exception("could not dead-letter a malformed message; it goes back to %s", queue)
+            message.reject(requeue=True)
+
+    # ------------------------------------------------------------------ children
+    def _spawn(self, index: int) -> None:
+        self._respawn_timers[index] = None
+        private = sorted(_open_fds() - self._baseline_fds)
+        handle = spawn(index + 1, self._make_runtime, private)
+        child = Child(index, handle, time.monotonic())
+        self.children[index] = child
+        self.readers[handle.read_fd] = FrameReader(handle.read_fd)
+        self.loop.add_reader(handle.read_fd, lambda: self._on_child_readable(child))
+
+    def _make_runtime(self, index: int, read_fd: int, write_fd: int) -> ChildRuntime:
+        return ChildRuntime(self.app, index, read_fd, write_fd, os.getpid(), self.hostname)
+
+    def _on_child_readable(self, child: Child) -> None:
+        reader = self.readers[child.handle.read_fd]
+        for frame in reader.read():
+            if isinstance(frame, Hello):
+                child.on_hello()
+                if self.phase in (Phase.WARM, Phase.COLD):
+                    child.stop()
+            elif isinstance(frame, Done):
+                self._on_done(child, frame)
+        if reader.eof:
+            # The process is exiting; SIGCHLD tells us when it is gone. Stop watching the
+            # pipe, or EOF would keep the selector readable.
+            self.loop.remove_reader(child.handle.read_fd)
+
+    def _start(self, child: Child, delivery: Delivery) -> None:
+        request = delivery.request
+        message = delivery.message
+        task = delivery.task
+        job = Job(delivery.seq, request.task, message.body, message.content_type,
+                  message.content_encoding, dict(message.headers or {}),
+                  dict(message.delivery_info or {}), self._track_started(task))
+        now = time.monotonic()
+        try:
+            child.assign(delivery, job, now)
+        except OSError as exc:
+            # The child died before it could take the job: the job was never started.
+            log.warning("child %d (pid %d) cannot take a job (%s); replacing it",
+                        child.index + 1, child.pid, exc)
+            self.buffer.appendleft(delivery)
+            child.kill(None)
+            return
+        delivery.stage = Stage.RUNNING
+        delivery.started = True
+        delivery.deliveries = request.deliveries + 1
+        if not delivery.policy.acks_late:
+            self.consumer.ack(message)     # at-most-once: acked as it starts
+            delivery.acked = True
+        hard, soft = self._limits(delivery)
+        if soft:
+            child.timers.append(self.loop.call_at(now + soft, lambda: self._soft_limit(child, delivery)))
+        if hard:
+            child.timers.append(self.loop.call_at(now + hard, lambda: self._hard_limit(child, delivery)))
+
+    def _track_started(self, task: Any) -> bool:
+        value = getattr(task, "track_started", None)
+        return self.settings.track_started if value is None else bool(value)
+
+    def _limits(self, delivery: Delivery) -> tuple[float | None, float | None]:
+        """Header (which carries the call's options) > task decorator > configuration."""
+        request, task, s = delivery.request, delivery.task, self.settings
+
+        def pick(from_header: float | None, name: str) -> float | None:
+            if from_header is not None:
+                return from_header
+            value = getattr(task, name, None)
+            return s[name] if value is None else value
+        return pick(request.time_limit, "time_limit"), pick(request.soft_time_limit, "soft_time_limit")
+
+    def _soft_limit(self, child: Child, delivery: Delivery) -> None:
+        if child.job is not delivery:
+            return
+        log.warning("%s: soft time limit reached; SoftTimeLimitExceeded raised in the task",
+                    delivery.label)
+        try:
+            os.kill(child.pid, SOFT_LIMIT_SIGNAL)
+        except ProcessLookupError:
+            pass
+
+    def _hard_limit(self, child: Child, delivery: Delivery) -> None:
+        if child.job is not delivery:
+            return
+        log.error("%s: hard time limit reached; killing child %d (pid %d) and what it started",
+                  delivery.label, child.index + 1, child.pid)
+        child.kill(Outcome.TIME_LIMIT)
+
+    def _on_done(self, child: Child, done: Done) -> None:
+        delivery = child.on_done(done.rss)
+        for timer in child.timers:
+            timer.cancel()
+        child.timers.clear()
+        self._crashes[child.index] = 0
+        self._settle(delivery, Outcome(done.outcome), done.detail)
+        self._maybe_recycle(child)
+
+    def _maybe_recycle(self, child: Child) -> None:
+        s = self.settings
+        reason = None
+        if s.max_tasks_per_child and child.tasks_done >= s.max_tasks_per_child:
+            reason = f"ran {child.tasks_done} tasks (max_tasks_per_child={s.max_tasks_per_child})"
+        elif s.max_memory_per_child and child.rss > s.max_memory_per_child:
+            reason = (f"uses {child.rss // 1024} KiB "
+                      f"(max_memory_per_child={s.max_memory_per_child // 1024} KiB)")
+        if reason or self.phase is not Phase.RUNNING:
+            if reason:
+                log.info("recycling child %d (pid %d): %s", child.index + 1, child.pid, reason)
+            child.stop()
+
+    def _dispatch(self) -> None:
+        if not self.buffer or self.phase is not Phase.RUNNING:
+            return
+        for child in self.children:
+            if not self.buffer:
+                return
+            if child is not None and child.state is ChildState.IDLE:
+                self._start(child, self.buffer.popleft())
+
+    def _reap(self) -> None:
+        for child in list(self.children):
+            if child is None or child.state is ChildState.EXITED:
+                continue
+            code = child.handle.exitcode()
+            if code is not None:
+                self._on_child_exit(child, code)
+
+    def _on_child_exit(self, child: Child, code: int) -> None:
+        expected = child.state is ChildState.STOPPING and child.kill_reason is None
+        delivery = child.on_exit(code)
+        for timer in child.timers:
+            timer.cancel()
+        child.timers.clear()
+        self.loop.remove_reader(child.handle.read_fd)
+        self.readers.pop(child.handle.read_fd, None)
+        how = describe_exit(code)
+        if delivery is not None:
+            outcome = child.kill_reason or Outcome.CHILD_LOST
+            log.error("child %d (pid %d) %s while running %s", child.index + 1, child.pid, how,
+                      delivery.label)
+            self._settle(delivery, outcome, f"child {how}")
+        elif not expected and child.kill_reason is None:
+            log.error("child %d (pid %d) %s", child.index + 1, child.pid, how)
+        if self.phase in (Phase.RUNNING, Phase.STARTING):
+            self._replace(child, crashed=not expected and child.kill_reason is None)
+
+    def _replace(self, child: Child, crashed: bool) -> None:
+        index = child.index
+        if not crashed:
+            self._spawn(index)
+            return
+        self._crashes[index] += 1
+        failures = self._crashes[index]
+        if failures == 1:
+            self._spawn(index)
+            return
+        delay = min(CRASH_BACKOFF_START * 2 ** (failures - 2), CRASH_BACKOFF_MAX)
+        log.warning("child slot %d crashed %d times in a row; starting the next one in %.1f s",
+                    index + 1, failures, delay)
+        systemd.notify(f"STATUS=child slot {index + 1} crashing ({failures} in a row)")
+        self._respawn_timers[index] = self.loop.call_later(delay, lambda: self._respawn(index))
+
+    def _respawn(self, index: int) -> None:
+        if self.phase is Phase.RUNNING:
+            self._spawn(index)
+
+    def _kill_all(self) -> None:
+        for child in self.children:
+            if child is not None and child.state is not ChildState.EXITED:
+                child.handle.kill_tree()
+
+    # ------------------------------------------------------------------ settling
+    def _settle(self, delivery: Delivery, outcome: Outcome, detail: str | None) -> None:
+        """Carry out the Outcomes table for ``delivery``; never lets an error escape."""
+        decision = decide(outcome, delivery.policy, started=delivery.started,
+                          deliveries=delivery.deliveries)
+        delivery.stage = Stage.SETTLED
+        self._store(delivery, decision, detail)
+        message, queue = delivery.message, delivery.queue
+        try:
+            if decision.action is Action.ACK and not delivery.acked:
+                self.consumer.ack(message)
+            elif decision.action is Action.REQUEUE:
+                self.consumer.requeue(message)
+            elif decision.action is Action.REQUEUE_COUNTED:
+                log.warning("%s: %s; requeued (started %d of at most %d times)", delivery.label,
+                            detail, delivery.deliveries, delivery.policy.max_deliveries)
+                self.consumer.requeue_counted(queue, message, delivery.deliveries)
+            elif decision.action is Action.DEAD_LETTER:
+                reason = f"{outcome.value}: {detail}" if detail else outcome.value
+                log.error("%s: dead-lettered to %s.dead: %s", delivery.label, queue, reason)
+                self.consumer.dead_letter(queue, message, reason, delivery.request.id,
+                                          self.hostname, acked=delivery.acked)
+        except Exception:  # noqa: BLE001 - the broker decides what happens to it now
+            log.exception("%s: could not %s the message; the broker will deliver it again",
+                          delivery.label, decision.action.value)
+        self._want_poll = True
+
+    def _store(self, delivery: Delivery, decision: Decision, detail: str | None) -> None:
+        """Write the results only the supervisor can write (the child is gone or never ran)."""
+        if decision.store is Store.NOTHING:
+            return
+        task_id = delivery.request.id
+        info = {"task": delivery.request.task, "hostname": self.hostname,
+                "retries": delivery.request.retries, "group": delivery.request.group,
+                "parent_id": delivery.request.parent_id,
+                "delivery_info": dict(delivery.message.delivery_info or {})}
+        backend = self.app.backend
+        try:
+            if decision.store is Store.REVOKED:
+                backend.mark_as_revoked(task_id, detail or "revoked", request=info)
+                return
+            exc: BaseException = {
+                Store.TIME_LIMIT: lambda: TimeLimitExceeded(detail),
+                Store.WORKER_LOST: lambda: WorkerLostError(detail),
+                Store.NOT_REGISTERED: lambda: NotRegistered(delivery.request.task),
+                Store.TOO_MANY: lambda: TooManyDeliveries(detail),
+            }[decision.store]()
+            backend.mark_as_failure(task_id, exc, None, request=info)
+        except Exception:  # noqa: BLE001
+            log.exception("%s: could not store its %s result", delivery.label,
+                          decision.store.value)
+
+    # ------------------------------------------------------------------ signals
+    def _on_signals(self) -> None:
+        for sig in self.signals.drain():
+            handler = getattr(self, f"handle_{sig.name[3:].lower()}", None)
+            if handler is not None:
+                handler()
+
+    def handle_chld(self) -> None:
+        self._reap()
+
+    def handle_term(self) -> None:
+        self.warm_shutdown("SIGTERM")
+
+    def handle_int(self) -> None:
+        self._interrupts += 1
+        if self._interrupts == 1:
+            self.warm_shutdown("SIGINT (press Ctrl-C again to stop at once)")
+        else:
+            self.cold_shutdown("second SIGINT")
+
+    def handle_quit(self) -> None:
+        self.cold_shutdown("SIGQUIT")
+
+    def handle_usr1(self) -> None:
+        log.warning("state: phase=%s held=%d/%d buffered=%d scheduled=%d running=%d",
+                    self.phase.value, self.held, self.window, len(self.buffer),
+                    len(self.scheduled), self.running)
+        for child in self.children:
+            if child is not None:
+                job = child.job.label if child.job is not None else "-"
+                log.warning("  %r tasks_done=%d job=%s", child, child.tasks_done, job)
+
+    # ------------------------------------------------------------------ shutdown
+    def warm_shutdown(self, why: str) -> None:
+        if self.phase is not Phase.RUNNING:
+            return
+        log.info("warm shutdown (%s): requeueing %d buffered and %d scheduled, waiting up to "
+                 "%s s for %d running", why, len(self.buffer), len(self.scheduled),
+                 self.settings.graceful_timeout, self.running)
+        systemd.notify("STOPPING=1")
+        self.phase = Phase.WARM
+        self.consumer.cancel()
+        self._requeue_held()
+        for index, timer in enumerate(self._respawn_timers):
+            if timer is not None:
+                timer.cancel()
+                self._respawn_timers[index] = None
+        for child in self.children:
+            if child is not None and child.state in (ChildState.IDLE, ChildState.SPAWNING):
+                child.stop()
+        self.loop.call_later(self.settings.graceful_timeout,
+                             lambda: self.cold_shutdown("graceful_timeout passed"))
+        self._maybe_stopped()
+
+    def cold_shutdown(self, why: str) -> None:
+        if self.phase in (Phase.COLD, Phase.STOPPED):
+            return
+        if self.phase is Phase.RUNNING:
+            self.warm_shutdown(why)
+        log.warning("cold shutdown (%s): killing %d running tasks", why, self.running)
+        self.phase = Phase.COLD
+        for child in self.children:
+            if child is None or child.state is ChildState.EXITED:
+                continue
+            child.kill(Outcome.SHUTDOWN_KILLED if child.busy else None)
+        self._maybe_stopped()
+
+    def _requeue_held(self) -> None:
+        """Give back everything not running, at once and in order."""
+        waiting = list(self.buffer) + sorted(self.scheduled, key=lambda d: d.seq)
+        self.buffer.clear()
+        for delivery in self.scheduled:
+            if delivery.timer is not None:
+                delivery.timer.cancel()
+        self.scheduled.clear()
+        for delivery in waiting:
+            delivery.stage = Stage.SETTLED
+            try:
+                self.consumer.requeue(delivery.message)
+            except Exception:  # noqa: BLE001
+                log.exception("%s: could not requeue; the broker returns it when the "
+                              "connection closes", delivery.label)
+
+    def _maybe_stopped(self) -> None:
+        if self.phase not in (Phase.WARM, Phase.COLD):
+            return
+        if all(c is None or c.state is ChildState.EXITED for c in self.children):
+            self.phase = Phase.STOPPED
+
+
+def _open_fds() -> set[int]:
+    return {int(name) for name in os.listdir("/proc/self/fd")}
+
+
+def _redact(url: str) -> str:
+    """Hide a password in a URL before logging it."""
+    if "://" not in url or "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    credentials, _, host = rest.rpartition("@")
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url

@@ -1,0 +1,1 @@
+"""Example tasks that ship with workhorse, for the quick start."""

@@ -1,0 +1,105 @@
+"""What became of a message, and how it is settled: SEMANTICS.md's Outcomes table as code.
+
+Pure: no I/O. The supervisor asks ``decide`` and carries the answer out.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Outcome(str, enum.Enum):
+    SUCCEEDED = "succeeded"          # the task returned; its result is stored
+    FAILED = "failed"                # the task raised (incl. an uncaught soft limit); stored
+    STORE_FAILED = "store_failed"    # the task ran but its result could not be stored
+    MALFORMED = "malformed"          # headers or body unreadable: no task to run
+    UNKNOWN_TASK = "unknown_task"    # no such task registered
+    EXPIRED = "expired"              # `expires` passed before it started
+    TOO_MANY_DELIVERIES = "too_many_deliveries"
+    TIME_LIMIT = "time_limit"        # hard limit: the child was killed
+    CHILD_LOST = "child_lost"        # the child died mid-task (signal, OOM, os._exit)
+    SHUTDOWN_KILLED = "shutdown_killed"  # a cold shutdown killed the child mid-task
+
+
+class Action(str, enum.Enum):
+    NONE = "none"                    # already settled (acked at start)
+    ACK = "ack"
+    REQUEUE = "requeue"              # back to its queue; does not count as a delivery
+    REQUEUE_COUNTED = "requeue_counted"  # back to its queue as a started delivery
+    DEAD_LETTER = "dead_letter"      # a copy to the dead-letter queue, then ack (if not acked)
+
+
+class Store(str, enum.Enum):
+    """What the supervisor itself writes to the result store (the child wrote the rest)."""
+
+    NOTHING = "nothing"
+    TIME_LIMIT = "time_limit"        # FAILURE(TimeLimitExceeded)
+    WORKER_LOST = "worker_lost"      # FAILURE(WorkerLostError)
+    NOT_REGISTERED = "not_registered"  # FAILURE(NotRegistered)
+    REVOKED = "revoked"              # REVOKED
+    TOO_MANY = "too_many"            # FAILURE(TooManyDeliveries)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The ack options in force for one task (task option, else configuration)."""
+
+    acks_late: bool = True
+    reject_on_worker_lost: bool = True
+    acks_on_failure: bool = True
+    acks_on_timeout: bool = True
+    max_deliveries: int = 3
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    store: Store = Store.NOTHING
+
+
+def decide(outcome: Outcome, policy: Policy, *, started: bool, deliveries: int = 0) -> Decision:
+    """How to settle ``outcome``.
+
+    ``started``: the message was handed to a child (with early ack it is then already acked).
+    ``deliveries``: starts counted so far, including this one when ``started``; a counted
+    requeue that would allow more than ``max_deliveries`` starts dead-letters instead.
+    """
+    if outcome is Outcome.MALFORMED:
+        # Even when acked at start, a copy goes to the dead-letter queue: never a silent loss.
+        return Decision(Action.DEAD_LETTER)
+    if outcome is Outcome.UNKNOWN_TASK:
+        return Decision(Action.DEAD_LETTER, Store.NOT_REGISTERED)
+    if outcome is Outcome.EXPIRED:
+        return Decision(Action.ACK, Store.REVOKED)
+    if outcome is Outcome.TOO_MANY_DELIVERIES:
+        return Decision(Action.DEAD_LETTER, Store.TOO_MANY)
+    if not policy.acks_late:
+        # At-most-once: acked when the child started it; only the result remains to write.
+        store = {Outcome.TIME_LIMIT: Store.TIME_LIMIT, Outcome.CHILD_LOST: Store.WORKER_LOST,
+                 Outcome.SHUTDOWN_KILLED: Store.WORKER_LOST}.get(outcome, Store.NOTHING)
+        return Decision(Action.NONE if started else Action.ACK, store)
+    if outcome is Outcome.SUCCEEDED:
+        return Decision(Action.ACK)
+    if outcome is Outcome.FAILED:
+        return Decision(Action.ACK if policy.acks_on_failure else Action.DEAD_LETTER)
+    if outcome is Outcome.STORE_FAILED:
+        return _requeue_counted(policy, deliveries, Store.NOTHING)
+    if outcome is Outcome.TIME_LIMIT:
+        if policy.acks_on_timeout:
+            return Decision(Action.ACK, Store.TIME_LIMIT)
+        return _requeue_counted(policy, deliveries, Store.TIME_LIMIT)
+    if outcome is Outcome.CHILD_LOST:
+        if policy.reject_on_worker_lost:
+            return _requeue_counted(policy, deliveries, Store.WORKER_LOST)
+        return Decision(Action.DEAD_LETTER, Store.WORKER_LOST)
+    if outcome is Outcome.SHUTDOWN_KILLED:
+        if policy.reject_on_worker_lost:
+            return Decision(Action.REQUEUE)
+        return Decision(Action.DEAD_LETTER, Store.WORKER_LOST)
+    raise ValueError(f"no settlement rule for {outcome!r}")  # pragma: no cover
+
+
+def _requeue_counted(policy: Policy, deliveries: int, store_if_dead: Store) -> Decision:
+    if deliveries >= policy.max_deliveries:
+        return Decision(Action.DEAD_LETTER, store_if_dead)
+    return Decision(Action.REQUEUE_COUNTED)

@@ -1,0 +1,1 @@
+"""The prefork pool: child processes, their IPC and time limits."""

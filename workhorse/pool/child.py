@@ -1,0 +1,133 @@
+"""One child process as the supervisor sees it: an explicit state machine.
+
+    SPAWNING --hello--> IDLE --assign--> BUSY --done--> IDLE
+    SPAWNING/IDLE --stop--> STOPPING;  any --kill--> STOPPING;  any --exit--> EXITED
+
+The class does no I/O of its own: it talks to the process through a ``ProcessHandle``,
+so the transitions are tested with a fake handle and no fork.
+"""
+from __future__ import annotations
+
+import enum
+import signal
+from typing import Any, Protocol
+
+from .ipc import Job, Stop
+
+
+class ChildState(str, enum.Enum):
+    SPAWNING = "spawning"
+    IDLE = "idle"
+    BUSY = "busy"
+    STOPPING = "stopping"
+    EXITED = "exited"
+
+
+class InvalidTransition(RuntimeError):
+    pass
+
+
+class ProcessHandle(Protocol):
+    pid: int
+    read_fd: int
+
+    def send(self, frame: object) -> None: ...
+    def kill_tree(self) -> None: ...
+    def exitcode(self) -> int | None: ...
+    def close(self) -> None: ...
+
+
+#: Why a child may have died, for the log line an operator reads.
+_SIGNAL_HINTS = {
+    signal.SIGKILL: "out of memory? (the kernel's OOM killer sends SIGKILL) or killed by an operator",
+    signal.SIGSEGV: "a crash in C code (an extension module?)",
+    signal.SIGBUS: "a crash in C code (an extension module, or a truncated mmap?)",
+    signal.SIGABRT: "an abort() in C code (a failed assertion in an extension?)",
+    signal.SIGTERM: "terminated by another process",
+}
+
+
+def describe_exit(code: int) -> str:
+    """``-9`` → "killed by SIGKILL (out of memory? …)"; ``3`` → "exited with status 3"."""
+    if code < 0:
+        try:
+            sig = signal.Signals(-code)
+        except ValueError:
+            return f"killed by signal {-code}"
+        hint = _SIGNAL_HINTS.get(sig)
+        return f"killed by {sig.name}" + (f" ({hint})" if hint else "")
+    return f"exited with status {code}"
+
+
+class Child:
+    def __init__(self, index: int, handle: ProcessHandle, spawned_at: float) -> None:
+        self.index = index
+        self.handle = handle
+        self.pid = handle.pid
+        self.spawned_at = spawned_at
+        self.state = ChildState.SPAWNING
+        self.job: Any = None                 # the Delivery it runs, while BUSY
+        self.job_started_at = 0.0
+        self.timers: list[Any] = []          # the running job's limit timers
+        self.tasks_done = 0
+        self.rss = 0
+        self.kill_reason: Any = None         # why the supervisor killed it (an Outcome)
+        self.exitcode: int | None = None
+
+    def _expect(self, *states: ChildState) -> None:
+        if self.state not in states:
+            raise InvalidTransition(
+                f"child {self.index} (pid {self.pid}) is {self.state.value}, "
+                f"expected {' or '.join(s.value for s in states)}")
+
+    # -- transitions
+    def on_hello(self) -> None:
+        self._expect(ChildState.SPAWNING)
+        self.state = ChildState.IDLE
+
+    def assign(self, job: Any, frame: Job, now: float) -> None:
+        self._expect(ChildState.IDLE)
+        self.handle.send(frame)
+        self.state = ChildState.BUSY
+        self.job = job
+        self.job_started_at = now
+
+    def on_done(self, rss: int) -> Any:
+        """The job finished; return it (its limit timers are the caller's to cancel)."""
+        self._expect(ChildState.BUSY)
+        job, self.job = self.job, None
+        self.state = ChildState.IDLE
+        self.tasks_done += 1
+        self.rss = rss
+        return job
+
+    def stop(self) -> None:
+        """Ask an idle (or still starting) child to exit."""
+        self._expect(ChildState.IDLE, ChildState.SPAWNING)
+        self.handle.send(Stop())
+        self.state = ChildState.STOPPING
+
+    def kill(self, reason: Any) -> None:
+        """SIGKILL the child and everything it started; its job is settled on exit."""
+        self._expect(ChildState.SPAWNING, ChildState.IDLE, ChildState.BUSY, ChildState.STOPPING)
+        if self.kill_reason is None:
+            self.kill_reason = reason
+        self.handle.kill_tree()
+        if self.state is not ChildState.BUSY:
+            self.state = ChildState.STOPPING
+
+    def on_exit(self, code: int) -> Any:
+        """The process is gone; return the job it held, if any."""
+        self._expect(ChildState.SPAWNING, ChildState.IDLE, ChildState.BUSY, ChildState.STOPPING)
+        job, self.job = self.job, None
+        self.state = ChildState.EXITED
+        self.exitcode = code
+        self.handle.close()
+        return job
+
+    @property
+    def busy(self) -> bool:
+        return self.state is ChildState.BUSY
+
+    def __repr__(self) -> str:
+        return f"<Child {self.index} pid={self.pid} {self.state.value}>"

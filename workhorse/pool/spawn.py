@@ -1,0 +1,76 @@
+"""Forking a child with billiard, and the real ProcessHandle."""
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+
+import billiard
+
+from .ipc import write_frame
+from .limits import kill_tree
+from .runtime import SUPERVISOR_SIGNALS, ChildRuntime, child_main
+
+_fork = billiard.get_context("fork")
+
+RuntimeFactory = Callable[[int, int, int], ChildRuntime]
+
+
+class ForkedProcess:
+    """A forked child: its billiard Process and the supervisor's ends of its two pipes."""
+
+    def __init__(self, process: billiard.Process, write_fd: int, read_fd: int) -> None:
+        self.process = process
+        self.pid: int = process.pid
+        self.write_fd = write_fd
+        self.read_fd = read_fd
+        self._closed = False
+
+    def send(self, frame: object) -> None:
+        write_frame(self.write_fd, frame)
+
+    def kill_tree(self) -> None:
+        kill_tree(self.pid, signal.SIGKILL)
+
+    def exitcode(self) -> int | None:
+        """Reap the child if it has exited: its status (negative = killed by that signal)."""
+        return self.process.exitcode
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            for fd in (self.write_fd, self.read_fd):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def fds(self) -> tuple[int, int]:
+        return self.write_fd, self.read_fd
+
+
+def spawn(index: int, make_runtime: RuntimeFactory, private_fds: list[int]) -> ForkedProcess:
+    """Fork child ``index``. ``private_fds``: the supervisor's fds the child must close."""
+    to_child_r, to_child_w = os.pipe2(os.O_CLOEXEC)
+    from_child_r, from_child_w = os.pipe2(os.O_CLOEXEC)
+    os.set_blocking(from_child_r, False)
+    runtime = make_runtime(index, to_child_r, from_child_w)
+    # A number in private_fds may have been free again (the fd that listed them) and be
+    # reused by these pipes: never let the child close its own ends.
+    own = {to_child_r, from_child_w}
+    close_in_child = [fd for fd in (*private_fds, to_child_w, from_child_r) if fd not in own]
+    process = _fork.Process(target=child_main, args=(runtime, close_in_child),
+                            name=f"child-{index}", daemon=False)
+    # No signal may reach the child before it has its own handlers.
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SUPERVISOR_SIGNALS)
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        os.close(to_child_r)
+        os.close(from_child_w)
+    try:
+        os.setpgid(process.pid, process.pid)   # also done by the child; whoever is first wins
+    except OSError:
+        pass
+    return ForkedProcess(process, to_child_w, from_child_r)

@@ -1,0 +1,11 @@
+"""kombu transports that ship with workhorse."""
+from __future__ import annotations
+
+from kombu.transport import TRANSPORT_ALIASES
+
+SQLITE = "workhorse.transport.sqlite:Transport"
+
+
+def register() -> None:
+    """Make ``sqlite://`` URLs mean workhorse's SQLite transport in kombu (idempotent)."""
+    TRANSPORT_ALIASES.setdefault("sqlite", SQLITE)

@@ -1,0 +1,153 @@
+"""workhorse's embedded broker: a kombu virtual transport over one SQLite file.
+
+    Connection("sqlite:////var/lib/workhorse/broker.sqlite3")   # absolute path
+    Connection("sqlite:///broker.sqlite3")                      # relative to the CWD
+
+At-least-once, unlike kombu's SQLAlchemy transport (which hides consumed rows forever) and
+filesystem transport (which deletes on read): a consumed message is *leased* for
+``visibility_timeout`` seconds. ``ack`` deletes it, ``reject(requeue=True)`` releases it
+(first in line again), ``reject()`` deletes it, and a lease that expires — its consumer
+died — makes it available again. Closing a channel releases the leases it holds at once.
+
+Each lease has its own delivery tag, ``"<id>:<token>"``, so a late ack from a lost lease can
+never delete the copy someone else now holds. A consumed message's ``delivery_info`` carries
+``delivery_count`` (how many times it has been leased, this time included) and
+``redelivered``; a redelivered message also gets the header ``redelivered: true``, as
+kombu's Redis transport marks restored messages.
+
+Routing: publishing to the anonymous exchange ``""`` puts the message straight into the
+queue named by the routing key (what Celery and workhorse do by default). Bindings made by
+``queue_bind`` are stored in the file, so direct, topic and fanout routing work across
+processes; an exchange's *type* is known only to processes that declared it (others treat
+it as direct).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from queue import Empty
+from typing import Any
+
+from kombu.transport import virtual
+from kombu.utils.json import dumps
+
+from .store import Store, parse_tag
+
+DEFAULT_VISIBILITY_TIMEOUT = 3600.0
+
+
+def path_from_url(virtual_host: str | None) -> Path:
+    if not virtual_host or virtual_host == "/":
+        raise ValueError("sqlite broker URL needs a file: sqlite:////absolute/path.sqlite3 or "
+                         "sqlite:///relative/path.sqlite3")
+    return Path(virtual_host).expanduser()
+
+
+class QoS(virtual.QoS):
+    """Acks and rejects go to the database, by lease."""
+
+    def ack(self, delivery_tag: str) -> None:
+        self.channel.store.ack(parse_tag(delivery_tag))
+        super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if requeue:
+            self.channel.store.release([parse_tag(delivery_tag)])
+        else:
+            self.channel.store.ack(parse_tag(delivery_tag))
+        self._quick_ack(delivery_tag)
+
+    def restore_unacked(self) -> list[Any]:
+        """Release every lease this channel holds (on close), instead of re-inserting copies."""
+        self._flush()
+        tags = list(self._delivered)
+        self._delivered.clear()
+        if tags:
+            self.channel.store.release(parse_tag(tag) for tag in tags)
+        return []
+
+
+class Channel(virtual.Channel):
+    QoS = QoS
+    do_restore = True
+
+    @property
+    def store(self) -> Store:
+        return self.connection.store
+
+    @property
+    def visibility_timeout(self) -> float:
+        options = self.connection.client.transport_options
+        return float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT))
+
+    # -- messages
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        priority = (message.get("properties") or {}).get("priority") or 0
+        self.store.put(queue, dumps(message), int(priority))
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        leased = self.store.lease(queue, self.visibility_timeout)
+        if leased is None:
+            raise Empty()
+        ident, token, payload, deliveries = leased
+        message = json.loads(payload)
+        properties = message.setdefault("properties", {})
+        properties["delivery_tag"] = f"{ident}:{token}"
+        info = properties.setdefault("delivery_info", {})
+        info["delivery_count"] = deliveries
+        if deliveries > 1:
+            info["redelivered"] = True
+            message.setdefault("headers", {})["redelivered"] = True
+        return message
+
+    def _size(self, queue: str) -> int:
+        return self.store.size(queue)
+
+    def _purge(self, queue: str) -> int:
+        return self.store.purge(queue)
+
+    # -- queues and routing
+    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        self.store.declare_queue(queue)
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return self.store.has_queue(queue)
+
+    def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        self.store.delete_queue(queue)
+
+    def queue_bind(self, queue: str, exchange: str | None = None, routing_key: str = "",
+                   arguments: Any = None, **kwargs: Any) -> None:
+        exchange = exchange or "amq.direct"
+        super().queue_bind(queue, exchange, routing_key, arguments, **kwargs)
+        routing, pattern, _ = self.typeof(exchange).prepare_bind(
+            queue, exchange, routing_key, arguments)
+        self.store.bind(exchange, routing, pattern or "", queue)
+
+    def get_table(self, exchange: str) -> list[tuple[str, str, str]]:
+        return self.store.bindings(exchange)
+
+    def close(self) -> None:
+        super().close()
+
+
+class Transport(virtual.Transport):
+    Channel = Channel
+    driver_type = "sqlite"
+    driver_name = "sqlite3"
+    polling_interval = 0.05
+    default_port = None
+    connection_errors = virtual.Transport.connection_errors
+    channel_errors = virtual.Transport.channel_errors
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        self.store = Store(path_from_url(client.virtual_host))
+
+    def driver_version(self) -> str:
+        import sqlite3
+        return sqlite3.sqlite_version
+
+    def close_connection(self, connection: Any) -> None:
+        super().close_connection(connection)
+        self.store.close()
