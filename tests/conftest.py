@@ -59,6 +59,7 @@ class BrokerEnv:
         self.kind = kind
         self.url = url
         self.queue = queue
+        self.extra_queues: list[str] = []
 
     def connection(self):
         from kombu import Connection
@@ -70,10 +71,12 @@ class BrokerEnv:
         with self.connection() as conn:
             q = task_queue(name or self.queue)(conn.default_channel)
             q.declare()
-            return q.queue_declare(passive=True).message_count
+            return q.queue_declare().message_count
 
     def drain(self, name: str, limit: int = 1000) -> list:
-        """Take (and ack) every message in a queue: [(headers, body bytes)]."""
+        """Take (and ack) every message in a queue: [(headers, body bytes)].
+
+        (py-amqp hands over utf-8 bodies already decoded to str; the bytes are the same.)"""
         from workhorse.app import task_queue
         out = []
         with self.connection() as conn:
@@ -83,7 +86,9 @@ class BrokerEnv:
                 message = q.get(no_ack=False, accept=["application/json"])
                 if message is None:
                     break
-                out.append((dict(message.headers), message.body))
+                body = message.body
+                out.append((dict(message.headers),
+                            body.encode() if isinstance(body, str) else body))
                 message.ack()
         return out
 
@@ -91,7 +96,7 @@ class BrokerEnv:
         from workhorse.app import task_queue
         try:
             with self.connection() as conn:
-                for name in (self.queue, self.queue + ".dead"):
+                for name in (self.queue, self.queue + ".dead", *self.extra_queues):
                     q = task_queue(name)(conn.default_channel)
                     try:
                         q.delete()

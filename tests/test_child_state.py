@@ -21,6 +21,11 @@ class FakeHandle:
     def send(self, frame: object) -> None:
         self.sent.append(frame)
 
+    def receive(self) -> list[object]:
+        return []
+
+    at_eof = False
+
     def kill_tree(self) -> None:
         self.killed += 1
 
@@ -58,6 +63,13 @@ def test_cannot_assign_to_a_child_that_has_not_said_hello():
     with pytest.raises(InvalidTransition, match="spawning, expected idle"):
         child.assign("d", JOB, 0.0)
     assert handle.sent == []
+
+
+def test_a_child_stopped_while_starting_stays_stopping_when_it_says_hello():
+    child, handle = make()
+    child.stop()
+    child.on_hello()
+    assert child.state is ChildState.STOPPING and isinstance(handle.sent[-1], Stop)
 
 
 def test_cannot_assign_twice():

@@ -87,3 +87,32 @@ def test_a_signal_wakes_a_loop_blocked_without_timeout():
         pipe.restore()
         pipe.close()
         loop.close()
+
+
+def test_a_reader_removed_earlier_in_the_same_batch_is_not_called():
+    loop = Loop()
+    pipes = [os.pipe() for _ in range(2)]
+    called: list[int] = []
+
+    def first() -> None:
+        called.append(0)
+        loop.remove_reader(pipes[1][0])
+        loop.remove_reader(pipes[0][0])
+
+    def second() -> None:
+        called.append(1)
+        loop.remove_reader(pipes[0][0])
+        loop.remove_reader(pipes[1][0])
+
+    loop.add_reader(pipes[0][0], first)
+    loop.add_reader(pipes[1][0], second)
+    for _, w in pipes:
+        os.write(w, b"x")
+    try:
+        loop.run_once(max_timeout=1)
+        assert len(called) == 1   # whichever ran first removed the other
+    finally:
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+        loop.close()

@@ -153,8 +153,10 @@ class App:
             parent_id=parent.id if parent else None,
             ignore_result=ignore_result, shadow=shadow, extra_headers=headers)
         properties = dict(message.properties)
-        if "expiration" in properties:   # kombu takes seconds and writes the ms string itself
-            properties["expiration"] = int(properties["expiration"]) / 1000
+        # Celery also sets the AMQP `expiration` property; RabbitMQ then drops the expired
+        # message by itself, silently, and the task stays PENDING forever. workhorse leaves
+        # expiry to the worker, which records REVOKED and acks (SEMANTICS.md).
+        properties.pop("expiration", None)
         queue_name = queue or self.settings.queues[0]
         try:
             self._publish(queue_name, message.body, message.headers, priority, properties)

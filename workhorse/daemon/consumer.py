@@ -71,6 +71,11 @@ class BrokerConsumer:
 
     def close(self) -> None:
         """Close the connection; the broker gets back whatever is still unacknowledged."""
+        if self.driver is not None:
+            try:
+                self.driver.finish()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("could not collect an in-flight fetch before closing: %r", exc)
         if self.connection is not None:
             try:
                 self.connection.release()
@@ -190,6 +195,9 @@ class _Driver:
     def periodic(self) -> list[tuple[float, Callable[[], None]]]:
         return []
 
+    def finish(self) -> None:
+        """Before closing: collect any fetch still in flight, so closing loses nothing."""
+
 
 class _AmqpDriver(_Driver):
     def __init__(self, connection: Connection) -> None:
@@ -230,6 +238,17 @@ class _RedisDriver(_Driver):
     def periodic(self) -> list[tuple[float, Callable[[], None]]]:
         return [(10.0, self.cycle.maybe_restore_messages),
                 (25.0, self.cycle.maybe_check_brpop_health)]
+
+    def finish(self) -> None:
+        """Redis pops a message when it answers BRPOP, whether or not the reply is ever read:
+        closing with a BRPOP pending would lose whatever it popped. Read the reply (Redis
+        sends one within brpop_timeout); with no consumer left, kombu requeues it."""
+        for channel in list(self.cycle._channels):
+            if channel._in_poll:
+                try:
+                    channel._brpop_read()
+                except Empty:
+                    pass
 
 
 class _PolledDriver(_Driver):

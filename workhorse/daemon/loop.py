@@ -68,8 +68,13 @@ class Loop:
         timeout = self.next_timeout(time.monotonic())
         if max_timeout is not None:
             timeout = max_timeout if timeout is None else min(timeout, max_timeout)
-        for key, _mask in self.selector.select(timeout):
-            key.data()
+        events = self.selector.select(timeout)
+        registered = self.selector.get_map()
+        for key, _mask in events:
+            # A callback earlier in this batch may have removed this reader (a child reaped)
+            # or put another in its place on the same fd number: skip stale events.
+            if registered.get(key.fd) is key:
+                key.data()
         self._run_due(time.monotonic())
 
     def _run_due(self, now: float) -> None:

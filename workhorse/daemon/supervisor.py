@@ -28,7 +28,7 @@ from ..exceptions import (
 )
 from ..outcome import Action, Decision, Outcome, Policy, Store, decide
 from ..pool.child import Child, ChildState, describe_exit
-from ..pool.ipc import Done, FrameReader, Hello, Job
+from ..pool.ipc import Done, Hello, Job
 from ..pool.limits import SOFT_LIMIT_SIGNAL
 from ..pool.runtime import ChildRuntime
 from ..pool.spawn import spawn
@@ -71,7 +71,6 @@ class Supervisor:
         self.signals = SignalPipe(HANDLED_SIGNALS)
         self.consumer = BrokerConsumer(app, list(settings.queues), self.on_message)
         self.children: list[Child | None] = [None] * self.concurrency
-        self.readers: dict[int, FrameReader] = {}
         self.buffer: deque[Delivery] = deque()
         self.scheduled: set[Delivery] = set()
         self.phase = Phase.STARTING
@@ -194,9 +193,8 @@ class Supervisor:
         policy = self._policy(task)
         delivery = Delivery(next(self._seq), queue, message, request, task, policy)
         if task is None:
-            log.error("%s: unknown task; dead-lettered to %s.dead (is the worker's app the "
-                      "one that defines it?)", delivery.label, queue)
-            self._settle(delivery, Outcome.UNKNOWN_TASK, str(NotRegistered(request.task)))
+            self._settle(delivery, Outcome.UNKNOWN_TASK,
+                         f"{NotRegistered(request.task)} (does the worker's app define it?)")
             return
         now = datetime.now(timezone.utc)
         if request.expires is not None and request.expires <= now:
@@ -259,22 +257,18 @@ class Supervisor:
         handle = spawn(index + 1, self._make_runtime, private)
         child = Child(index, handle, time.monotonic())
         self.children[index] = child
-        self.readers[handle.read_fd] = FrameReader(handle.read_fd)
         self.loop.add_reader(handle.read_fd, lambda: self._on_child_readable(child))
 
     def _make_runtime(self, index: int, read_fd: int, write_fd: int) -> ChildRuntime:
         return ChildRuntime(self.app, index, read_fd, write_fd, os.getpid(), self.hostname)
 
     def _on_child_readable(self, child: Child) -> None:
-        reader = self.readers[child.handle.read_fd]
-        for frame in reader.read():
+        for frame in child.handle.receive():
             if isinstance(frame, Hello):
                 child.on_hello()
-                if self.phase in (Phase.WARM, Phase.COLD):
-                    child.stop()
             elif isinstance(frame, Done):
                 self._on_done(child, frame)
-        if reader.eof:
+        if child.handle.at_eof:
             # The process is exiting; SIGCHLD tells us when it is gone. Stop watching the
             # pipe, or EOF would keep the selector readable.
             self.loop.remove_reader(child.handle.read_fd)
@@ -386,7 +380,6 @@ class Supervisor:
             timer.cancel()
         child.timers.clear()
         self.loop.remove_reader(child.handle.read_fd)
-        self.readers.pop(child.handle.read_fd, None)
         how = describe_exit(code)
         if delivery is not None:
             outcome = child.kill_reason or Outcome.CHILD_LOST

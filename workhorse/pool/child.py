@@ -32,6 +32,9 @@ class ProcessHandle(Protocol):
     read_fd: int
 
     def send(self, frame: object) -> None: ...
+    def receive(self) -> list[object]: ...
+    @property
+    def at_eof(self) -> bool: ...
     def kill_tree(self) -> None: ...
     def exitcode(self) -> int | None: ...
     def close(self) -> None: ...
@@ -82,8 +85,10 @@ class Child:
 
     # -- transitions
     def on_hello(self) -> None:
-        self._expect(ChildState.SPAWNING)
-        self.state = ChildState.IDLE
+        """The child is set up. One told to stop while starting stays stopping."""
+        self._expect(ChildState.SPAWNING, ChildState.STOPPING)
+        if self.state is ChildState.SPAWNING:
+            self.state = ChildState.IDLE
 
     def assign(self, job: Any, frame: Job, now: float) -> None:
         self._expect(ChildState.IDLE)

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Callable
 
 import billiard
 
-from .ipc import write_frame
+from .ipc import FrameReader, write_frame
 from .limits import kill_tree
 from .runtime import SUPERVISOR_SIGNALS, ChildRuntime, child_main
 
@@ -24,7 +25,16 @@ class ForkedProcess:
         self.pid: int = process.pid
         self.write_fd = write_fd
         self.read_fd = read_fd
+        self._reader = FrameReader(read_fd)
         self._closed = False
+
+    def receive(self) -> list[object]:
+        """The frames the child has finished writing (never blocks)."""
+        return self._reader.read()
+
+    @property
+    def at_eof(self) -> bool:
+        return self._reader.eof
 
     def send(self, frame: object) -> None:
         write_frame(self.write_fd, frame)
@@ -61,6 +71,9 @@ def spawn(index: int, make_runtime: RuntimeFactory, private_fds: list[int]) -> F
     close_in_child = [fd for fd in (*private_fds, to_child_w, from_child_r) if fd not in own]
     process = _fork.Process(target=child_main, args=(runtime, close_in_child),
                             name=f"child-{index}", daemon=False)
+    # Whatever sits in the stdio buffers now would be written twice, once by each process.
+    sys.stdout.flush()
+    sys.stderr.flush()
     # No signal may reach the child before it has its own handlers.
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, SUPERVISOR_SIGNALS)
     try:
