@@ -99,10 +99,10 @@ def read_toml(path: Path) -> dict[str, Raw]:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     found: dict[str, Raw] = {}
     for section, table in data.items():
-        _check_section(path, section)
         if not isinstance(table, dict):
-            raise ConfigError(f"{path}: {section} must be a [{section}] table, "
-                              f"not a {type(table).__name__} value at the top level")
+            home = f"; put it under [{BY_NAME[section].section}]" if section in BY_NAME else ""
+            raise ConfigError(f"{path}: {section} = {table!r} is outside any [section]{home}")
+        _check_section(path, section)
         for key, value in table.items():
             _check_key(path, section, key)
             if isinstance(value, dict):
