@@ -53,3 +53,11 @@ def test_a_counted_requeue_past_max_deliveries_dead_letters_instead():
         Action.DEAD_LETTER, Store.WORKER_LOST)
     assert decide(Outcome.TIME_LIMIT, Policy(acks_on_timeout=False, max_deliveries=1),
                   started=True, deliveries=1) == Decision(Action.DEAD_LETTER, Store.TIME_LIMIT)
+
+
+def test_time_limit_precedence_header_then_task_then_config():
+    from workhorse.pool.limits import effective_limit
+    assert effective_limit(5.0, 10.0, 20.0) == 5.0      # header (call option) wins
+    assert effective_limit(None, 10.0, 20.0) == 10.0    # then the task decorator
+    assert effective_limit(None, None, 20.0) == 20.0    # then the configuration
+    assert effective_limit(None, None, None) is None

@@ -11,6 +11,7 @@ from kombu import Connection, Exchange, Producer, Queue
 from kombu.exceptions import EncodeError
 
 from .backends import Backend, backend_from_url
+from .forksafe import abandon
 from .config import SETTINGS, ConfigError, Settings, load_settings
 from .protocol import build_message
 from .result import AsyncResult
@@ -182,6 +183,8 @@ class App:
         # Connections never cross fork(): a child starts with its own.
         if self._pid != os.getpid():
             self._pid = os.getpid()
+            abandon(self._producer_connection)
+            abandon(self._backend)
             self._producer_connection = None
             self._backend = None
 

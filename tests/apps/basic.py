@@ -79,3 +79,38 @@ def soft_catch(self, seconds):
 @app.task
 def unencodable():
     return object()
+
+
+_hoard: list[bytearray] = []
+
+
+@app.task(bind=True)
+def hog(self, mib):
+    """Grow this child's memory by ``mib`` MiB and keep it."""
+    _record("hog", self.request.id)
+    _hoard.append(bytearray(mib * 1024 * 1024))
+    return os.getpid()
+
+
+@app.task(bind=True)
+def c_compute(self):
+    """Minutes of C code that never returns to the interpreter: no Python signal handler
+    can run, only SIGKILL ends it."""
+    _record("c_compute", self.request.id)
+    import hashlib
+    hashlib.pbkdf2_hmac("sha256", b"x", b"y", 2**31 - 1)
+    return "finished"
+
+
+@app.task(bind=True)
+def soft_ignored(self, seconds):
+    """Does not catch SoftTimeLimitExceeded."""
+    _record("soft_ignored", self.request.id)
+    time.sleep(seconds)
+    return "not interrupted"
+
+
+@app.task(bind=True)
+def pid(self):
+    _record("pid", self.request.id)
+    return os.getpid()

@@ -6,6 +6,7 @@ import sqlite3
 import time
 from pathlib import Path
 
+from ..forksafe import abandon
 from .base import Backend
 
 _SCHEMA = """
@@ -41,8 +42,10 @@ class SQLiteBackend(Backend):
 
     @property
     def conn(self) -> sqlite3.Connection:
-        # A sqlite3 connection must never cross fork(): reopen in each process.
+        # A sqlite3 connection must never be used, or closed, across fork(): a new process
+        # opens its own (see workhorse.forksafe).
         if self._conn is None or self._pid != os.getpid():
+            abandon(self._conn)   # inherited across fork: never close it here
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             conn = sqlite3.connect(self.path, timeout=10.0, isolation_level=None,
                                    check_same_thread=False)

@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from functools import partial
 from typing import Any
 
+from amqp import spec as amqp_spec
 from kombu import Connection, Consumer, Producer
 from kombu.message import Message
 
@@ -51,23 +52,34 @@ class BrokerConsumer:
         self.producer: Producer | None = None
         self.driver: _Driver | None = None
         self.consuming = False
+        self.paused = False
+        self.credit = 0
 
     # -- lifecycle
-    def connect(self, prefetch_count: int) -> None:
+    def connect(self, prefetch_count: int, has_room: Callable[[], bool]) -> None:
+        """Connect and start consuming. ``has_room``: the supervisor's own count says it may
+        take one more message (brokers we poll ask it before each fetch)."""
         connection = self.app.connection()
         connection.ensure_connection(max_retries=3, interval_start=0.2, interval_step=0.5)
         channel = connection.channel()
         self.connection = connection
+        self.driver = _driver_for(connection)
         self.consumers = [
             Consumer(channel, [task_queue(q)], on_message=partial(self.on_message, q),
                      no_ack=False, auto_declare=True)
             for q in self.queues]
-        self.set_prefetch(prefetch_count)
+        self.credit = prefetch_count
+        if self.driver.push:
+            self.driver.send_qos(channel, prefetch_count)
+        else:
+            # kombu's virtual transports fetch only while their QoS says it can consume;
+            # let it ask the supervisor, whose count is exact whatever the ack mode.
+            channel.qos.can_consume = has_room
         for consumer in self.consumers:
             consumer.consume()
         self.producer = Producer(connection.channel())
-        self.driver = _driver_for(connection)
         self.consuming = True
+        self.paused = False
 
     def close(self) -> None:
         """Close the connection; the broker gets back whatever is still unacknowledged."""
@@ -123,9 +135,27 @@ class BrokerConsumer:
         """Housekeeping the driver needs every so often: (interval, function)."""
         return self.driver.periodic() if self.driver is not None else []
 
-    def set_prefetch(self, count: int) -> None:
-        for consumer in self.consumers[:1]:   # one channel: its QoS covers every consumer
-            consumer.qos(prefetch_count=count)
+    def set_credit(self, count: int) -> None:
+        """How many unacknowledged messages the broker may have out with us (push brokers).
+
+        Sent without waiting for the reply, so it costs no round trip; AMQP applies it in
+        order with the acks that follow on the channel. 0 means "none": AMQP has no way to
+        say that with QoS, so consuming pauses until there is credit again.
+        """
+        count = max(0, min(count, 65535))
+        if count == self.credit or not self.consuming or not self.driver or not self.driver.push:
+            return
+        self.credit = count
+        if count == 0:
+            self.paused = True
+            for consumer in self.consumers:
+                consumer.cancel()
+            return
+        self.driver.send_qos(self.consumers[0].channel, count)
+        if self.paused:
+            self.paused = False
+            for consumer in self.consumers:
+                consumer.consume()
 
     # -- settling
     def ack(self, message: Message) -> None:
@@ -180,8 +210,15 @@ def _drain(connection: Connection, max_messages: int = 1000) -> None:
 class _Driver:
     """How the loop watches and reads one kind of broker connection."""
 
+    #: The broker pushes messages up to a QoS credit (AMQP); others are fetched by kombu
+    #: only while the channel's QoS says it can consume.
+    push = False
+
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
+
+    def send_qos(self, channel: Any, count: int) -> None:
+        raise NotImplementedError
 
     def tick(self) -> None:
         return None
@@ -200,6 +237,15 @@ class _Driver:
 
 
 class _AmqpDriver(_Driver):
+    push = True
+
+    def send_qos(self, channel: Any, count: int) -> None:
+        # global=True: RabbitMQ fixes a per-consumer limit (global=False) when the consumer
+        # starts and ignores later changes; the channel-wide limit applies at once, and
+        # covers all our queues together, which is what the window means. Sent without
+        # waiting for QosOk (py-amqp drops an unawaited QosOk).
+        channel.send_method(amqp_spec.Basic.Qos, "lBb", (0, count, True))
+
     def __init__(self, connection: Connection) -> None:
         super().__init__(connection)
         # As kombu's own event-loop hookup does: an empty non-blocking read raises

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+import psutil
 from kombu.message import Message
 
 from ..exceptions import (
@@ -29,7 +30,7 @@ from ..exceptions import (
 from ..outcome import Action, Decision, Outcome, Policy, Store, decide
 from ..pool.child import Child, ChildState, describe_exit
 from ..pool.ipc import Done, Hello, Job
-from ..pool.limits import SOFT_LIMIT_SIGNAL
+from ..pool.limits import SOFT_LIMIT_SIGNAL, effective_limit
 from ..pool.runtime import ChildRuntime
 from ..pool.spawn import spawn
 from ..protocol import parse_request
@@ -50,6 +51,8 @@ HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD
 #: Consecutive crashes of a child slot back off from this delay, doubling, up to the cap.
 CRASH_BACKOFF_START = 0.1
 CRASH_BACKOFF_MAX = 10.0
+#: How often idle children's memory is compared with max_memory_per_child.
+IDLE_MEMORY_CHECK = 2.0
 
 
 class Phase(str, enum.Enum):
@@ -93,13 +96,28 @@ class Supervisor:
         """Buffered + running: what the prefetch window bounds."""
         return len(self.buffer) + self.running
 
+    def has_room(self) -> bool:
+        """May the worker take one more message? Its own count, not the broker's QoS."""
+        return self.phase is Phase.RUNNING and self.held < self.window
+
+    def _update_flow(self) -> None:
+        """Tell the broker how many unacknowledged messages it may have out with us.
+
+        The broker counts what we have not acked: buffered, scheduled, and running tasks
+        not acked at start. For buffered + running <= window, that is the window plus the
+        scheduled, minus the running ones already acked (acks_late = false).
+        """
+        acked_running = sum(1 for c in self.children
+                            if c is not None and c.busy and c.job.acked)
+        self.consumer.set_credit(self.window + len(self.scheduled) - acked_running)
+
     def run(self) -> int:
         """Run until shut down; return the process exit status."""
         self._baseline_fds = _open_fds()
         self.signals.install()
         self.loop.add_reader(self.signals.read_fd, self._on_signals)
         try:
-            self.consumer.connect(prefetch_count=self.window)
+            self.consumer.connect(prefetch_count=self.window, has_room=self.has_room)
             self._log_banner()
             for index in range(self.concurrency):
                 self._spawn(index)
@@ -107,6 +125,8 @@ class Supervisor:
                 self._every(interval, function)
             if self.consumer.polled:
                 self._every(POLL_INTERVAL, self._poll_timer)
+            if self.settings.max_memory_per_child:
+                self._every(IDLE_MEMORY_CHECK, self._check_idle_memory)
             watchdog = systemd.watchdog_interval()
             if watchdog:
                 self._every(watchdog, lambda: systemd.notify("WATCHDOG=1"))
@@ -156,7 +176,7 @@ class Supervisor:
 
     def _after_events(self) -> None:
         self._dispatch()
-        if self._want_poll and self.phase is Phase.RUNNING and self.held < self.window:
+        if self._want_poll and self.has_room():
             self._want_poll = False
             self.consumer.poll()
             self._dispatch()
@@ -229,17 +249,16 @@ class Supervisor:
         """Hold an ETA message in the supervisor; it does not take a prefetch slot."""
         delivery.stage = Stage.SCHEDULED
         self.scheduled.add(delivery)
-        # The broker counts it as unacknowledged: widen its QoS so it does not block others.
-        self.consumer.set_prefetch(self.window + len(self.scheduled))
+        self._update_flow()
         delivery.timer = self.loop.call_later(delay, lambda: self._eta_reached(delivery))
 
     def _eta_reached(self, delivery: Delivery) -> None:
         if delivery not in self.scheduled:
             return
         self.scheduled.discard(delivery)
-        self.consumer.set_prefetch(self.window + len(self.scheduled))
         delivery.stage = Stage.BUFFERED
         self.buffer.appendleft(delivery)  # its time has come: ahead of later arrivals
+        self._update_flow()
 
     def _dead_letter_malformed(self, queue: str, message: Message, reason: str) -> None:
         log.error("malformed message on %s dead-lettered to %s.dead: %s", queue, queue, reason)
@@ -253,7 +272,7 @@ class Supervisor:
     # ------------------------------------------------------------------ children
     def _spawn(self, index: int) -> None:
         self._respawn_timers[index] = None
-        private = sorted(_open_fds() - self._baseline_fds)
+        private = _private_fds(self._baseline_fds)
         handle = spawn(index + 1, self._make_runtime, private)
         child = Child(index, handle, time.monotonic())
         self.children[index] = child
@@ -294,8 +313,11 @@ class Supervisor:
         delivery.started = True
         delivery.deliveries = request.deliveries + 1
         if not delivery.policy.acks_late:
-            self.consumer.ack(message)     # at-most-once: acked as it starts
+            # At-most-once: acked as it starts. The broker would count the freed slot as
+            # room for one more; shrink its credit first (same channel, so in that order).
             delivery.acked = True
+            self._update_flow()
+            self.consumer.ack(message)
         hard, soft = self._limits(delivery)
         if soft:
             child.timers.append(self.loop.call_at(now + soft, lambda: self._soft_limit(child, delivery)))
@@ -309,13 +331,8 @@ class Supervisor:
     def _limits(self, delivery: Delivery) -> tuple[float | None, float | None]:
         """Header (which carries the call's options) > task decorator > configuration."""
         request, task, s = delivery.request, delivery.task, self.settings
-
-        def pick(from_header: float | None, name: str) -> float | None:
-            if from_header is not None:
-                return from_header
-            value = getattr(task, name, None)
-            return s[name] if value is None else value
-        return pick(request.time_limit, "time_limit"), pick(request.soft_time_limit, "soft_time_limit")
+        return (effective_limit(request.time_limit, task.time_limit, s.time_limit),
+                effective_limit(request.soft_time_limit, task.soft_time_limit, s.soft_time_limit))
 
     def _soft_limit(self, child: Child, delivery: Delivery) -> None:
         if child.job is not delivery:
@@ -351,10 +368,21 @@ class Supervisor:
         elif s.max_memory_per_child and child.rss > s.max_memory_per_child:
             reason = (f"uses {child.rss // 1024} KiB "
                       f"(max_memory_per_child={s.max_memory_per_child // 1024} KiB)")
+        if reason:
+            log.info("recycling child %d (pid %d): %s", child.index + 1, child.pid, reason)
         if reason or self.phase is not Phase.RUNNING:
-            if reason:
-                log.info("recycling child %d (pid %d): %s", child.index + 1, child.pid, reason)
             child.stop()
+
+    def _check_idle_memory(self) -> None:
+        """Recycle idle children over max_memory_per_child (a busy one is checked after its
+        task: never mid-task)."""
+        for child in self.children:
+            if child is not None and child.state is ChildState.IDLE:
+                try:
+                    child.rss = psutil.Process(child.pid).memory_info().rss
+                except psutil.Error:
+                    continue
+                self._maybe_recycle(child)
 
     def _dispatch(self) -> None:
         if not self.buffer or self.phase is not Phase.RUNNING:
@@ -442,6 +470,8 @@ class Supervisor:
             log.exception("%s: could not %s the message; the broker will deliver it again",
                           delivery.label, decision.action.value)
         self._want_poll = True
+        if delivery.acked and delivery.started:
+            self._update_flow()
 
     def _store(self, delivery: Delivery, decision: Decision, detail: str | None) -> None:
         """Write the results only the supervisor can write (the child is gone or never ran)."""
@@ -560,6 +590,20 @@ class Supervisor:
 
 def _open_fds() -> set[int]:
     return {int(name) for name in os.listdir("/proc/self/fd")}
+
+
+def _private_fds(baseline: set[int]) -> list[int]:
+    """The sockets, pipes and event fds the supervisor opened since it started: a child
+    must not keep them. Regular files (SQLite databases) are left to workhorse.forksafe."""
+    private = []
+    for fd in sorted(_open_fds() - baseline):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(("socket:", "pipe:", "anon_inode:")):
+            private.append(fd)
+    return private
 
 
 def _redact(url: str) -> str:

@@ -14,6 +14,12 @@ from ..exceptions import SoftTimeLimitExceeded
 SOFT_LIMIT_SIGNAL = signal.SIGUSR1
 
 
+def effective_limit(*candidates: float | None) -> float | None:
+    """The first limit that is set, in precedence order: message header (which carries the
+    call's ``apply_async`` options) > task decorator > configuration."""
+    return next((c for c in candidates if c is not None), None)
+
+
 class SoftLimit:
     """Raises SoftTimeLimitExceeded in task code, and only there.
 

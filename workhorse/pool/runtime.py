@@ -62,7 +62,9 @@ class ChildRuntime:
         # The supervisor's fds (broker sockets, its pipes to other children, its selector)
         # must not stay open here. dup2 of /dev/null rather than close: Python objects in
         # this copy of memory still own those numbers, and a number closed now could be
-        # reused and then closed again by one of them when it is collected.
+        # reused and then closed again by one of them when it is collected. SQLite files
+        # are left alone: a sqlite3 connection must see its real file descriptor, and the
+        # objects holding them are never closed in a child (workhorse.forksafe).
         devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         for fd in close_fds:
             if fd != devnull:

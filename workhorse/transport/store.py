@@ -15,6 +15,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..forksafe import abandon
+
 SCHEMA_VERSION = 1
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS messages (
@@ -57,8 +59,10 @@ class Store:
 
     @property
     def conn(self) -> sqlite3.Connection:
-        # Never use a sqlite3 connection across fork(): each process opens its own.
+        # Never use, or close, a sqlite3 connection across fork(): each process opens its
+        # own (see workhorse.forksafe).
         if self._conn is None or self._pid != os.getpid():
+            abandon(self._conn)   # inherited across fork: never close it here
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             conn = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None,
                                    check_same_thread=False)
