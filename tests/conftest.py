@@ -67,21 +67,19 @@ class BrokerEnv:
 
     def queue_size(self, name: str | None = None) -> int:
         """Messages ready in a queue (not the ones held unacknowledged by a consumer)."""
-        from workhorse.app import task_queue
+        from workhorse.queues import ensure_queue
         with self.connection() as conn:
-            q = task_queue(name or self.queue)(conn.default_channel)
-            q.declare()
-            return q.queue_declare().message_count
+            queue = ensure_queue(conn, name or self.queue)(conn.default_channel)
+            return queue.queue_declare(passive=self.kind == "amqp").message_count
 
     def drain(self, name: str, limit: int = 1000) -> list:
         """Take (and ack) every message in a queue: [(headers, body bytes)].
 
         (py-amqp hands over utf-8 bodies already decoded to str; the bytes are the same.)"""
-        from workhorse.app import task_queue
+        from workhorse.queues import ensure_queue
         out = []
         with self.connection() as conn:
-            q = task_queue(name)(conn.default_channel)
-            q.declare()
+            q = ensure_queue(conn, name)(conn.default_channel)
             for _ in range(limit):
                 message = q.get(no_ack=False, accept=["application/json"])
                 if message is None:
@@ -93,7 +91,7 @@ class BrokerEnv:
         return out
 
     def cleanup(self) -> None:
-        from workhorse.app import task_queue
+        from workhorse.queues import task_queue
         try:
             with self.connection() as conn:
                 for name in (self.queue, self.queue + ".dead", *self.extra_queues):

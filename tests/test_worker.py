@@ -12,7 +12,7 @@ import pytest
 from kombu import Producer
 
 from workhorse import TimeoutError as ResultTimeout
-from workhorse.app import task_queue
+from workhorse.queues import task_queue
 from workhorse.daemon.consumer import (
     DEAD_AT_HEADER,
     DEAD_QUEUE_HEADER,

@@ -7,13 +7,14 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, overload
 
-from kombu import Connection, Exchange, Producer, Queue
+from kombu import Connection, Producer
 from kombu.exceptions import EncodeError
 
 from .backends import Backend, backend_from_url
 from .forksafe import abandon
 from .config import SETTINGS, ConfigError, Settings, load_settings
 from .protocol import build_message
+from .queues import ensure_queue
 from .result import AsyncResult
 from .task import Task, current_context, new_task_id, resolve_times
 
@@ -31,11 +32,6 @@ def current_app() -> App:
     if not _current:
         raise RuntimeError("no workhorse App has been created in this process")
     return _current[-1]
-
-
-def task_queue(name: str) -> Queue:
-    """A queue declared the way Celery declares it: durable, on a direct exchange of its name."""
-    return Queue(name, Exchange(name, type="direct"), routing_key=name)
 
 
 class App:
@@ -60,6 +56,7 @@ class App:
         self._lock = threading.Lock()
         self._pid = 0
         self._producer_connection: Connection | None = None
+        self._queues_ready: set[str] = set()
         self._backend: Backend | None = None
         _current.append(self)
 
@@ -171,11 +168,16 @@ class App:
         with self._lock:
             if self._producer_connection is None:
                 self._producer_connection = self.connection()
+                self._queues_ready = set()
             connection = self._producer_connection
+            if queue not in self._queues_ready:
+                connection.ensure_connection(**PUBLISH_RETRY_POLICY)
+                ensure_queue(connection, queue)
+                self._queues_ready.add(queue)
             producer = Producer(connection)
             producer.publish(
                 body, exchange="", routing_key=queue, serializer="json", headers=headers,
-                declare=[task_queue(queue)], priority=priority, delivery_mode=2,
+                priority=priority, delivery_mode=2,
                 retry=True, retry_policy=PUBLISH_RETRY_POLICY, **properties)
 
     # -- lifecycle

@@ -1,11 +1,13 @@
-"""The ``workhorse`` command: ``worker``, ``config``."""
+"""The ``workhorse`` command: ``worker``, ``config``, ``dead``."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import traceback
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from .. import __version__
 from ..app import App
@@ -34,6 +36,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="only validate (settings and that the app imports); print nothing "
                              "but errors")
     _add_common(config)
+
+    dead = commands.add_parser(
+        "dead", help="look at, replay or drop dead-lettered messages",
+        description="Dead letters of each consumed queue are in <queue>.dead.")
+    dead.add_argument("action", choices=("list", "requeue", "purge"))
+    dead.add_argument("task_ids", nargs="*", metavar="TASK_ID",
+                      help="requeue/purge only these tasks (else give --all)")
+    dead.add_argument("--all", action="store_true", help="requeue/purge every dead letter")
+    dead.add_argument("--dead-queue", metavar="NAME",
+                      help="a queue holding dead letters other than <queue>.dead (e.g. the "
+                           "queue behind a RabbitMQ dead-letter exchange)")
+    dead.add_argument("--limit", type=int, default=100, help="list at most this many per queue")
+    dead.add_argument("--json", action="store_true", help="list as JSON lines")
+    _add_common(dead)
     return parser
 
 
@@ -76,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.APP_IMPORT
     if args.command == "config":
         return _config(args, settings)
+    if args.command == "dead":
+        return _dead(args, settings, app)
     return _worker(settings, app)
 
 
@@ -93,3 +111,36 @@ def _worker(settings: Settings, app: App | None) -> int:
     logging.basicConfig(level=settings.loglevel, format=LOG_FORMAT, stream=sys.stderr)
     from .supervisor import Supervisor
     return Supervisor(app, settings).run()
+
+
+def _dead(args: argparse.Namespace, settings: Settings, app: App | None) -> int:
+    from .consumer import dead_letter_queue
+    from .deadletters import list_dead, purge_dead, requeue_dead
+    if args.action != "list" and not args.all and not args.task_ids:
+        print(f"workhorse: dead {args.action}: name the task ids, or give --all",
+              file=sys.stderr)
+        return ExitCode.CONFIG
+    if args.action == "list" and (args.all or args.task_ids):
+        print("workhorse: dead list takes no task ids", file=sys.stderr)
+        return ExitCode.CONFIG
+    app = app or App("workhorse-dead")
+    app.configure(settings)
+    ids = None if args.all else args.task_ids
+    pairs = ([(args.dead_queue, settings.queues[0])] if args.dead_queue
+             else [(dead_letter_queue(q), q) for q in settings.queues])
+    with app.connection() as connection:
+        for dead_queue, home in pairs:
+            if args.action == "list":
+                for letter in list_dead(connection, dead_queue, args.limit):
+                    if args.json:
+                        print(json.dumps({"dead_queue": dead_queue, **asdict(letter)}))
+                    else:
+                        print(f"{dead_queue}\t{letter.task_id}\t{letter.task}\t"
+                              f"{letter.dead_at}\t{letter.reason}")
+            elif args.action == "requeue":
+                count = requeue_dead(connection, dead_queue, ids, home)
+                print(f"{dead_queue}: requeued {count}")
+            else:
+                count = purge_dead(connection, dead_queue, ids)
+                print(f"{dead_queue}: purged {count}")
+    return ExitCode.OK

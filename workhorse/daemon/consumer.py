@@ -18,7 +18,8 @@ from amqp import spec as amqp_spec
 from kombu import Connection, Consumer, Producer
 from kombu.message import Message
 
-from ..app import App, task_queue
+from ..app import App
+from ..queues import DeadLetterTarget, ensure_queue, rabbitmq_dead_letter_target
 from ..protocol import DELIVERIES_HEADER
 
 log = logging.getLogger("workhorse.consumer")
@@ -54,6 +55,8 @@ class BrokerConsumer:
         self.consuming = False
         self.paused = False
         self.credit = 0
+        self.dead_letter_targets: dict[str, DeadLetterTarget | None] = {}
+        self._queues_ready: set[str] = set()
 
     # -- lifecycle
     def connect(self, prefetch_count: int, has_room: Callable[[], bool]) -> None:
@@ -64,9 +67,16 @@ class BrokerConsumer:
         channel = connection.channel()
         self.connection = connection
         self.driver = _driver_for(connection)
+        self.dead_letter_targets = {q: rabbitmq_dead_letter_target(connection, q)
+                                    for q in self.queues}
+        for queue, target in self.dead_letter_targets.items():
+            if target is not None:
+                log.info("queue %s dead-letters to its RabbitMQ exchange %r", queue,
+                         target.exchange)
+        self._queues_ready = set(self.queues)
         self.consumers = [
-            Consumer(channel, [task_queue(q)], on_message=partial(self.on_message, q),
-                     no_ack=False, auto_declare=True)
+            Consumer(channel, [ensure_queue(connection, q)],
+                     on_message=partial(self.on_message, q), no_ack=False)
             for q in self.queues]
         self.credit = prefetch_count
         if self.driver.push:
@@ -165,17 +175,22 @@ class BrokerConsumer:
         """Back to the queue, unchanged: not a delivery that counts."""
         message.reject(requeue=True)
 
-    def republish(self, queue: str, message: Message, headers: Mapping[str, Any]) -> None:
-        """Publish a copy with extra headers to ``queue``; the caller then acks the original."""
-        assert self.producer is not None
+    def republish(self, queue: str, message: Message, headers: Mapping[str, Any], *,
+                  exchange: str = "") -> None:
+        """Publish a copy with extra headers (to ``queue``, or through ``exchange`` with
+        routing key ``queue``); the caller then acks the original."""
+        assert self.producer is not None and self.connection is not None
+        if not exchange and queue not in self._queues_ready:
+            ensure_queue(self.connection, queue)
+            self._queues_ready.add(queue)
         merged = dict(message.headers or {})
         merged.update(headers)
         properties = {k: message.properties[k] for k in _KEPT_PROPERTIES
                       if message.properties.get(k) is not None}
         self.producer.publish(
-            message.body, exchange="", routing_key=queue, headers=merged,
+            message.body, exchange=exchange, routing_key=queue, headers=merged,
             content_type=message.content_type, content_encoding=message.content_encoding,
-            declare=[task_queue(queue)], delivery_mode=2, retry=True,
+            delivery_mode=2, retry=True,
             retry_policy={"max_retries": 5, "interval_start": 0.1, "interval_max": 1.0},
             **properties)
 
@@ -186,14 +201,22 @@ class BrokerConsumer:
 
     def dead_letter(self, queue: str, message: Message, reason: str, task_id: str | None,
                     worker: str, *, acked: bool) -> None:
-        """A copy with the reason into ``<queue>.dead``, then ack (unless acked already)."""
-        self.republish(dead_letter_queue(queue), message, {
+        """A copy with the reason into ``<queue>.dead`` (or the RabbitMQ queue's own
+        dead-letter exchange), then ack (unless acked already)."""
+        headers = {
             DEAD_REASON_HEADER: reason,
             DEAD_TASK_HEADER: task_id,
             DEAD_AT_HEADER: datetime.now(timezone.utc).isoformat(),
             DEAD_QUEUE_HEADER: queue,
             DEAD_WORKER_HEADER: worker,
-        })
+        }
+        target = self.dead_letter_targets.get(queue)
+        if target is not None:
+            routing_key = target.routing_key or (message.delivery_info or {}).get(
+                "routing_key") or queue
+            self.republish(routing_key, message, headers, exchange=target.exchange)
+        else:
+            self.republish(dead_letter_queue(queue), message, headers)
         if not acked:
             message.ack()
 
