@@ -6,9 +6,11 @@ import sqlite3
 import time
 from pathlib import Path
 
+from .. import sqlitedb
 from ..forksafe import abandon
 from .base import Backend
 
+SCHEMA_VERSION = 1
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS task_results (
     task_id    TEXT PRIMARY KEY,
@@ -46,12 +48,7 @@ class SQLiteBackend(Backend):
         # opens its own (see workhorse.forksafe).
         if self._conn is None or self._pid != os.getpid():
             abandon(self._conn)   # inherited across fork: never close it here
-            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            conn = sqlite3.connect(self.path, timeout=10.0, isolation_level=None,
-                                   check_same_thread=False)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.executescript(_SCHEMA)
+            conn = sqlitedb.connect(self.path, _SCHEMA, SCHEMA_VERSION)
             self._conn, self._pid = conn, os.getpid()
         return self._conn
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from .. import sqlitedb
 from ..forksafe import abandon
 
 SCHEMA_VERSION = 1
@@ -50,9 +51,8 @@ def parse_tag(delivery_tag: str) -> Lease:
 
 
 class Store:
-    def __init__(self, path: Path, busy_timeout: float = 10.0) -> None:
+    def __init__(self, path: Path) -> None:
         self.path = path
-        self.busy_timeout = busy_timeout
         self._conn: sqlite3.Connection | None = None
         self._pid = 0
         self._lock = threading.RLock()
@@ -63,15 +63,7 @@ class Store:
         # own (see workhorse.forksafe).
         if self._conn is None or self._pid != os.getpid():
             abandon(self._conn)   # inherited across fork: never close it here
-            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            conn = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None,
-                                   check_same_thread=False)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
-                # executescript commits first; IF NOT EXISTS makes a race between two
-                # processes creating the schema harmless.
-                conn.executescript(_SCHEMA + f"PRAGMA user_version = {SCHEMA_VERSION};")
+            conn = sqlitedb.connect(self.path, _SCHEMA, SCHEMA_VERSION)
             self._conn, self._pid = conn, os.getpid()
         return self._conn
 
