@@ -69,3 +69,31 @@ def test_workhorse_client_reads_the_same_redis_results(celery_setup, tmp_path, m
         assert app.AsyncResult(mine.id).get(timeout=20) == 12   # Celery reads workhorse's
     finally:
         basic.app.close()
+
+
+def test_celery_sent_task_retries_on_workhorse_and_celery_sees_retry_then_success(celery_setup):
+    import time
+    app, broker, _ = celery_setup
+    result = app.send_task("tests.apps.basic.flaky", (2, 0.4), queue=broker.queue)
+    seen = []
+    deadline = time.monotonic() + 30
+    while result.state != "SUCCESS" and time.monotonic() < deadline:
+        if not seen or seen[-1] != result.state:
+            seen.append(result.state)
+        time.sleep(0.02)
+    assert result.get(timeout=1) == "ok after 2 retries"
+    assert "RETRY" in seen          # then SUCCESS, which ended the loop
+    assert result.state == "SUCCESS"
+
+
+def test_celery_link_error_on_a_workhorse_worker(celery_setup, tmp_path):
+    app, broker, _ = celery_setup
+    errback = app.signature("tests.apps.basic.errback_old")
+    result = app.send_task("tests.apps.basic.fail", ("x",), queue=broker.queue,
+                           link_error=errback)
+    with pytest.raises(ValueError):
+        result.get(timeout=20)
+    path = tmp_path / "grandchild.pid.errback"
+    from .conftest import wait_until
+    wait_until(lambda: path.exists() and path.read_text().strip(), 20, "Celery's errback")
+    assert path.read_text().split() == ["old", result.id]

@@ -59,6 +59,11 @@ SAMPLES = {
     "soft_time_limit": ("10", 10.0),
     "time_limit": ("20", 20.0),
     "track_started": ("yes", True),
+    "max_retries": ("5", 5),
+    "default_retry_delay": ("2.5", 2.5),
+    "retry_backoff": ("3", 3),
+    "retry_backoff_max": ("60", 60.0),
+    "retry_jitter": ("no", False),
 }
 
 
@@ -90,7 +95,8 @@ def test_every_setting_round_trips_through_each_source(name, tmp_path):
     toml_value = {"false": "false", "no": "false", "off": "false", "0": "false",
                   "yes": "true"}.get(text) if setting.type.toml_name == "boolean" else None
     if toml_value is None:
-        toml_value = text if setting.type.toml_name in ("integer", "float") else f'"{text}"'
+        toml_value = text if setting.type.toml_name in ("integer", "float", "boolean or integer") \
+            else f'"{text}"'
     if name == "max_memory_per_child":
         toml_value = f'"{text}"'
     toml = write(tmp_path / "w.toml", f"[{setting.section}]\n{name} = {toml_value}\n")

@@ -6,8 +6,13 @@ from .transport import register as _register_transport
 _register_transport()
 
 from .app import App, current_app  # noqa: E402
+from .canvas import Signature, chain, signature  # noqa: E402
 from .exceptions import (  # noqa: E402
+    Ignore,
+    MaxRetriesExceededError,
     NotRegistered,
+    Reject,
+    Retry,
     SoftTimeLimitExceeded,
     TimeLimitExceeded,
     TimeoutError,
@@ -17,5 +22,6 @@ from .result import AsyncResult  # noqa: E402
 from .task import Task  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["App", "AsyncResult", "Task", "current_app", "NotRegistered",
+__all__ = ["App", "AsyncResult", "Task", "current_app", "Signature", "chain", "signature",
+           "Ignore", "MaxRetriesExceededError", "NotRegistered", "Reject", "Retry",
            "SoftTimeLimitExceeded", "TimeLimitExceeded", "TimeoutError", "WorkerLostError"]

@@ -1,6 +1,7 @@
 """The application object: configuration, the task registry, and sending tasks."""
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -11,6 +12,7 @@ from kombu import Connection, Producer
 from kombu.exceptions import EncodeError
 
 from .backends import Backend, backend_from_url
+from .canvas import Signature
 from .forksafe import abandon
 from .config import SETTINGS, ConfigError, Settings, load_settings
 from .protocol import build_message
@@ -120,7 +122,10 @@ class App:
         """A new, unconnected kombu Connection to the configured broker."""
         settings = self.settings
         return Connection(settings.broker_url, transport_options={
-            "visibility_timeout": settings.visibility_timeout})
+            "visibility_timeout": settings.visibility_timeout,
+            # RabbitMQ: publish returns once the broker has the message (publisher
+            # confirms), so "sent, then ack the original" can never lose it.
+            "confirm_publish": True})
 
     def send_task(self, name: str, args: Sequence[Any] | None = None,
                   kwargs: Mapping[str, Any] | None = None, *,
@@ -129,8 +134,16 @@ class App:
                   priority: int | None = None, time_limit: float | None = None,
                   soft_time_limit: float | None = None, task_id: str | None = None,
                   headers: Mapping[str, Any] | None = None, ignore_result: bool | None = None,
-                  shadow: str | None = None, retries: int = 0) -> AsyncResult:
-        """Publish a protocol v2 message for task ``name`` and return its AsyncResult."""
+                  shadow: str | None = None, retries: int = 0,
+                  link: Signature | Sequence[Signature] | None = None,
+                  link_error: Signature | Sequence[Signature] | None = None,
+                  chain: Sequence[Mapping[str, Any]] | None = None,
+                  root_id: str | None = None, parent_id: str | None = None,
+                  group_id: str | None = None, group_index: int | None = None) -> AsyncResult:
+        """Publish a protocol v2 message for task ``name`` and return its AsyncResult.
+
+        ``link``/``link_error``: signatures to apply on success / call on failure.
+        ``root_id``/``parent_id`` default to the task this is sent from, if any."""
         if priority is not None and not (isinstance(priority, int) and 0 <= priority <= 255):
             raise ValueError(f"{name}: priority must be an integer from 0 to 255, not {priority!r}")
         for what, limit in (("time_limit", time_limit), ("soft_time_limit", soft_time_limit)):
@@ -147,8 +160,11 @@ class App:
             name, task_id, list(args or ()), dict(kwargs or {}),
             eta=eta, expires=expires_at, retries=retries,
             time_limit=time_limit, soft_time_limit=soft_time_limit,
-            root_id=parent.root_id if parent else None,
-            parent_id=parent.id if parent else None,
+            root_id=root_id or (parent.root_id if parent else None),
+            parent_id=parent_id or (parent.id if parent else None),
+            group=group_id, group_index=group_index,
+            callbacks=_signatures(link), errbacks=_signatures(link_error),
+            chain=[dict(s) for s in chain] if chain else None,
             ignore_result=ignore_result, shadow=shadow, extra_headers=headers)
         properties = dict(message.properties)
         # Celery also sets the AMQP `expiration` property; RabbitMQ then drops the expired
@@ -202,3 +218,16 @@ class App:
 
     def __repr__(self) -> str:
         return f"<workhorse.App {self.main or '__main__'} tasks={len(self.tasks)}>"
+
+
+def _signatures(value: Signature | Sequence[Signature] | None) -> list[dict[str, Any]] | None:
+    """Signatures as the plain dicts the wire carries (None when there are none)."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, Mapping) else list(value)
+    return [dict(item) for item in items] or None
+
+
+#: The options a signature may carry into send_task.
+SEND_OPTIONS = frozenset(inspect.signature(App.send_task).parameters) - {
+    "self", "name", "args", "kwargs"}

@@ -13,7 +13,8 @@ from billiard.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, Worker
 __all__ = [
     "WorkhorseError", "SoftTimeLimitExceeded", "TimeLimitExceeded", "WorkerLostError",
     "NotRegistered", "MalformedMessage", "TimeoutError", "TaskRevokedError",
-    "AppImportError", "ResultEncodeError", "TooManyDeliveries",
+    "AppImportError", "ResultEncodeError", "TooManyDeliveries", "TaskPredicate", "Retry",
+    "Ignore", "Reject", "MaxRetriesExceededError",
 ]
 
 
@@ -50,3 +51,54 @@ class ResultEncodeError(WorkhorseError):
 
 class AppImportError(WorkhorseError):
     """The task module named by ``app`` could not be imported or holds no App."""
+
+
+class TaskPredicate(WorkhorseError):
+    """Raised by task code to tell the worker what to do with the message."""
+
+
+class Retry(TaskPredicate):
+    """The task is to be retried: ``self.retry()`` raises it after the retry is sent."""
+
+    def __init__(self, message: str | None = None, exc: BaseException | None = None,
+                 when: object = None, sig: object = None) -> None:
+        self.message = message
+        self.exc = exc
+        self.when = when
+        self.sig = sig
+        super().__init__(message, exc, when)
+
+    def humanize(self) -> str:
+        if isinstance(self.when, (int, float)):
+            return f"in {self.when:.3g}s"
+        return f"at {self.when}"
+
+    def __str__(self) -> str:
+        if self.message:
+            return self.message
+        return f"Retry {self.humanize()}" + (f": {self.exc!r}" if self.exc else "")
+
+    def __reduce__(self) -> tuple:
+        return self.__class__, (self.message, None, self.when)
+
+
+class Ignore(TaskPredicate):
+    """The task asks that its message be acked and no result stored."""
+
+
+class Reject(TaskPredicate):
+    """The task rejects its message: dead-letter it, or (``requeue=True``) requeue it."""
+
+    def __init__(self, reason: object = None, requeue: bool = False) -> None:
+        self.reason = reason
+        self.requeue = requeue
+        super().__init__(reason, requeue)
+
+
+class MaxRetriesExceededError(WorkhorseError):
+    """``self.retry()`` was called past ``max_retries`` without an exception to re-raise."""
+
+    def __init__(self, *args: object, task_args: object = None, task_kwargs: object = None) -> None:
+        self.task_args = task_args
+        self.task_kwargs = task_kwargs
+        super().__init__(*args)

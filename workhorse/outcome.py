@@ -19,6 +19,10 @@ class Outcome(str, enum.Enum):
     TIME_LIMIT = "time_limit"        # hard limit: the child was killed
     CHILD_LOST = "child_lost"        # the child died mid-task (signal, OOM, os._exit)
     SHUTDOWN_KILLED = "shutdown_killed"  # a cold shutdown killed the child mid-task
+    RETRY = "retry"                  # the retry is published (and RETRY stored)
+    IGNORED = "ignored"              # raise Ignore(): no result
+    REJECTED = "rejected"            # raise Reject(requeue=False): FAILURE stored
+    REJECTED_REQUEUE = "rejected_requeue"  # raise Reject(requeue=True): no result
 
 
 class Action(str, enum.Enum):
@@ -78,8 +82,12 @@ def decide(outcome: Outcome, policy: Policy, *, started: bool, deliveries: int =
         store = {Outcome.TIME_LIMIT: Store.TIME_LIMIT, Outcome.CHILD_LOST: Store.WORKER_LOST,
                  Outcome.SHUTDOWN_KILLED: Store.WORKER_LOST}.get(outcome, Store.NOTHING)
         return Decision(Action.NONE if started else Action.ACK, store)
-    if outcome is Outcome.SUCCEEDED:
+    if outcome in (Outcome.SUCCEEDED, Outcome.RETRY, Outcome.IGNORED):
         return Decision(Action.ACK)
+    if outcome is Outcome.REJECTED:
+        return Decision(Action.DEAD_LETTER)
+    if outcome is Outcome.REJECTED_REQUEUE:
+        return _requeue_counted(policy, deliveries, Store.NOTHING)
     if outcome is Outcome.FAILED:
         return Decision(Action.ACK if policy.acks_on_failure else Action.DEAD_LETTER)
     if outcome is Outcome.STORE_FAILED:

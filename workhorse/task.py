@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from .canvas import Signature
+from .exceptions import MaxRetriesExceededError, Retry
 from .protocol import countdown_to_eta, utcnow
 
 if TYPE_CHECKING:
@@ -35,7 +37,24 @@ class Context:
     headers: dict[str, Any] = field(default_factory=dict)
     timelimit: tuple[float | None, float | None] = (None, None)
     called_directly: bool = True
+    group_index: int | None = None
+    priority: int | None = None
+    queue: str | None = None
+    callbacks: list[dict[str, Any]] | None = None
+    errbacks: list[dict[str, Any]] | None = None
+    chain: list[dict[str, Any]] | None = None
 
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+#: "Not set on the task": where None has a meaning of its own (max_retries = no limit).
+UNSET: Any = _Unset()
+
+#: Options whose None means something (no limit) rather than "use the configuration".
+_NONE_IS_A_VALUE = frozenset({"max_retries"})
 
 #: Contexts of the tasks running in this process, innermost last (a child runs one at a
 #: time; the stack is for tasks called directly from other tasks).
@@ -70,11 +89,22 @@ class Task:
     priority: int | None = None
     #: Check call arguments against the function's signature when sending.
     typing: bool = True
+    # Retries; None (UNSET for max_retries, where None means "no limit") = configuration.
+    max_retries: int | None | object = UNSET
+    default_retry_delay: float | None = None
+    autoretry_for: tuple[type[BaseException], ...] = ()
+    dont_autoretry_for: tuple[type[BaseException], ...] = ()
+    retry_kwargs: dict[str, Any] | None = None
+    retry_backoff: bool | int | None = None
+    retry_backoff_max: float | None = None
+    retry_jitter: bool | None = None
 
     OPTIONS: ClassVar[frozenset[str]] = frozenset({
         "acks_late", "reject_on_worker_lost", "acks_on_failure", "acks_on_timeout",
         "max_deliveries", "time_limit", "soft_time_limit", "track_started", "ignore_result",
-        "queue", "priority", "typing",
+        "queue", "priority", "typing", "max_retries", "default_retry_delay", "autoretry_for",
+        "dont_autoretry_for", "retry_kwargs", "retry_backoff", "retry_backoff_max",
+        "retry_jitter",
     })
 
     def __init__(self, app: App, fun: Callable[..., Any], name: str, bind: bool,
@@ -147,6 +177,72 @@ class Task:
 
     def AsyncResult(self, task_id: str) -> AsyncResult:  # noqa: N802 - Celery's name
         return self.app.AsyncResult(task_id)
+
+    # -- signatures
+    def signature(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                  **options: Any) -> Signature:
+        return Signature(self, args, kwargs, options)
+
+    def s(self, *args: Any, **kwargs: Any) -> Signature:
+        """A partial call: more arguments (a previous task's result) may come first."""
+        return Signature(self, args, kwargs)
+
+    def si(self, *args: Any, **kwargs: Any) -> Signature:
+        """An immutable call: exactly these arguments, whatever comes before it."""
+        return Signature(self, args, kwargs, immutable=True)
+
+    # -- configuration with fallbacks
+    def option(self, name: str) -> Any:
+        """The task's own value (decorator, then base class), else the configured one."""
+        value = getattr(self, name)
+        unset = value is UNSET or (value is None and name not in _NONE_IS_A_VALUE)
+        return self.app.settings[name] if unset else value
+
+    # -- retrying
+    def retry(self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None,
+              exc: BaseException | None = None, throw: bool = True, eta: datetime | None = None,
+              countdown: float | None = None, max_retries: int | None = None,
+              **options: Any) -> Retry:
+        """Send this task again (same id, ``retries + 1``) and raise Retry.
+
+        The retry is published, and its RETRY state stored, before this returns or
+        raises, so the worker acks the running message only once the retry is safe.
+        Past ``max_retries`` (this call's, else the task's, else the configuration's; None
+        = no limit): re-raise ``exc`` if given, else MaxRetriesExceededError.
+        """
+        request = self.request
+        if request.called_directly:
+            raise exc if exc is not None else Retry("task called directly: cannot be retried")
+        retries = request.retries + 1
+        limit = self.option("max_retries") if max_retries is None else max_retries
+        call_args = list(request.args if args is None else args)
+        call_kwargs = dict(request.kwargs if kwargs is None else kwargs)
+        if limit is not None and retries > limit:
+            if exc is not None:
+                raise exc
+            raise MaxRetriesExceededError(
+                f"Can't retry {self.name}[{request.id}] args:{call_args} kwargs:{call_kwargs}",
+                task_args=call_args, task_kwargs=call_kwargs)
+        if eta is None and countdown is None:
+            countdown = self.option("default_retry_delay")
+        when: Any = eta if eta is not None else countdown
+        hard, soft = request.timelimit
+        send = dict(task_id=request.id, retries=retries, queue=request.queue,
+                    priority=request.priority, time_limit=hard, soft_time_limit=soft,
+                    root_id=request.root_id, parent_id=request.parent_id,
+                    group_id=request.group, group_index=request.group_index,
+                    link=request.callbacks, link_error=request.errbacks, chain=request.chain)
+        send.update(options)
+        eta_at, _ = resolve_times(countdown if eta is None else None, eta, None)
+        if not (self.ignore_result or request.headers.get("ignore_result")):
+            self.app.backend.mark_as_retry(request.id, exc or Retry(when=when), retries=retries,
+                                           eta=eta_at, request={"task": self.name,
+                                                                "hostname": request.hostname})
+        self.app.send_task(self.name, call_args, call_kwargs, eta=eta_at, **send)
+        signal = Retry(exc=exc, when=when)
+        if throw:
+            raise signal
+        return signal
 
     def __repr__(self) -> str:
         return f"<task {self.name}>"

@@ -114,3 +114,93 @@ def soft_ignored(self, seconds):
 def pid(self):
     _record("pid", self.request.id)
     return os.getpid()
+
+
+# ---------------------------------------------------------------- retries and callbacks
+from workhorse import Ignore, Reject  # noqa: E402
+
+
+def _starts_of(task_id: str) -> int:
+    path = os.environ.get("WH_TEST_RUNLOG")
+    if not path or not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return sum(1 for line in f if line.split()[1] == task_id)
+
+
+@app.task(bind=True)
+def flaky(self, failures, countdown=0.3):
+    """Fails (retrying) the first ``failures`` times, then succeeds."""
+    _record("flaky", self.request.id)
+    if self.request.retries < failures:
+        raise self.retry(exc=ValueError("not yet"), countdown=countdown)
+    return f"ok after {self.request.retries} retries"
+
+
+@app.task(bind=True, max_retries=2)
+def always_retry(self, with_exc=False):
+    _record("always_retry", self.request.id)
+    raise self.retry(exc=KeyError("gone") if with_exc else None, countdown=0.05)
+
+
+@app.task(bind=True, autoretry_for=(ConnectionError,), default_retry_delay=0.05, max_retries=2)
+def auto_flaky(self, failures):
+    _record("auto_flaky", self.request.id)
+    if self.request.retries < failures:
+        raise ConnectionError(f"attempt {self.request.retries}")
+    return self.request.retries
+
+
+@app.task(bind=True, autoretry_for=(Exception,), dont_autoretry_for=(KeyError,),
+          retry_kwargs={"countdown": 0.05, "max_retries": 5})
+def auto_selective(self, error):
+    _record("auto_selective", self.request.id)
+    raise {"key": KeyError, "value": ValueError}[error]("boom")
+
+
+@app.task(bind=True)
+def retry_then_crash(self):
+    """First delivery: send the retry, then die before the worker can settle."""
+    _record("retry_then_crash", self.request.id)
+    flag = os.environ["WH_TEST_PIDFILE"] + ".crashed"
+    if not os.path.exists(flag):
+        open(flag, "w").close()
+        self.retry(countdown=0.2, throw=False)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return "done"
+
+
+@app.task(bind=True)
+def ignorer(self):
+    _record("ignorer", self.request.id)
+    raise Ignore()
+
+
+@app.task(bind=True)
+def rejecter(self, requeue):
+    _record("rejecter", self.request.id)
+    raise Reject("not for me", requeue=requeue)
+
+
+@app.task
+def errback_new(request, exc, traceback):
+    """Called in the worker: writes what it was given to $WH_TEST_PIDFILE.errback."""
+    with open(os.environ["WH_TEST_PIDFILE"] + ".errback", "a") as f:
+        f.write(f"{request.id} {type(exc).__name__} {bool(traceback)} {request.task}\n")
+
+
+@app.task
+def errback_old(task_id):
+    """Sent as a task with the failed task's id."""
+    with open(os.environ["WH_TEST_PIDFILE"] + ".errback", "a") as f:
+        f.write(f"old {task_id}\n")
+
+
+@app.task
+def errback_crashing(request, exc, traceback):
+    raise RuntimeError("the errback itself fails")
+
+
+@app.task
+def mul(x, y):
+    return x * y

@@ -4,10 +4,11 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 from ..exceptions import ResultEncodeError, TaskRevokedError, TimeoutError
-from ..states import FAILURE, PENDING, READY_STATES, REVOKED, STARTED, SUCCESS
+from ..states import FAILURE, PENDING, READY_STATES, RETRY, REVOKED, STARTED, SUCCESS
 from .encoding import build_meta, dumps, loads
 
 RequestInfo = Mapping[str, Any]
@@ -46,8 +47,11 @@ class Backend(ABC):
 
     # -- writing
     def store_result(self, task_id: str, result: Any, state: str,
-                     traceback: str | None = None, request: RequestInfo | None = None) -> None:
+                     traceback: str | None = None, request: RequestInfo | None = None,
+                     extra: Mapping[str, Any] | None = None) -> None:
         meta = build_meta(task_id, state, result, traceback, request=request, extended=self.extended)
+        if extra:
+            meta.update(extra)
         try:
             payload = dumps(meta)
         except (TypeError, ValueError) as exc:
@@ -65,6 +69,13 @@ class Backend(ABC):
     def mark_as_failure(self, task_id: str, exc: BaseException, traceback: str | None = None,
                         request: RequestInfo | None = None) -> None:
         self.store_result(task_id, exc, FAILURE, traceback, request=request)
+
+    def mark_as_retry(self, task_id: str, exc: BaseException, traceback: str | None = None,
+                      request: RequestInfo | None = None, *, retries: int | None = None,
+                      eta: datetime | None = None) -> None:
+        """RETRY, with the retry's number and when it is due (extra keys Celery ignores)."""
+        self.store_result(task_id, exc, RETRY, traceback, request=request,
+                          extra={"retries": retries, "eta": eta.isoformat() if eta else None})
 
     def mark_as_revoked(self, task_id: str, reason: str,
                         request: RequestInfo | None = None) -> None:

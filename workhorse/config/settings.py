@@ -146,6 +146,19 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds after which the child and everything it started is killed."),
     Setting("track_started", "tasks", t.boolean(), False,
             "Store the STARTED state when a task starts."),
+    Setting("max_retries", "tasks", t.integer(0).or_none(), 3,
+            "How many times self.retry() and autoretry may retry a task (none: no limit). "
+            "A task's own max_retries, and retry(max_retries=...), take precedence."),
+    Setting("default_retry_delay", "tasks", t.seconds(positive=False), 180.0,
+            "Seconds before a retry when neither countdown nor eta is given and there is no "
+            "back-off."),
+    Setting("retry_backoff", "tasks", t.boolean_or_integer(1), False,
+            "Autoretry with exponential back-off: true (base 1 s) or a base in seconds; the "
+            "n-th retry waits base × 2^(n-1), at most retry_backoff_max."),
+    Setting("retry_backoff_max", "tasks", t.seconds(positive=False), 600.0,
+            "The longest back-off between automatic retries, in seconds."),
+    Setting("retry_jitter", "tasks", t.boolean(), True,
+            "Draw each back-off uniformly from [0, the computed delay], so retries spread out."),
 )
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}

@@ -52,6 +52,35 @@ def boolean() -> ValueType:
     return ValueType("true or false (also yes/no, on/off, 1/0)", parse, toml_name="boolean")
 
 
+def boolean_or_integer(low: int) -> ValueType:
+    """false, true, or an integer (``retry_backoff``: true means base 1)."""
+    accepted = f"true, false, or an integer of at least {low}"
+
+    def parse(raw: Any) -> bool | int:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, int):
+            value = raw
+        elif isinstance(raw, str):
+            word = raw.strip().lower()
+            if word in _TRUE - {"1"}:
+                return True
+            if word in _FALSE - {"0"}:
+                return False
+            try:
+                value = int(word)
+            except ValueError:
+                raise Invalid(f"expected {accepted}") from None
+        else:
+            raise Invalid(f"expected {accepted}")
+        if value == 0:
+            return False
+        if value < low:
+            raise Invalid(f"expected {accepted}")
+        return value
+    return ValueType(accepted, parse, toml_name="boolean or integer")
+
+
 def integer(low: int, high: int | None = None) -> ValueType:
     accepted = (f"an integer from {low} to {high}" if high is not None
                 else f"an integer of at least {low}")

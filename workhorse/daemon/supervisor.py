@@ -298,7 +298,9 @@ class Supervisor:
         task = delivery.task
         job = Job(delivery.seq, request.task, message.body, message.content_type,
                   message.content_encoding, dict(message.headers or {}),
-                  dict(message.delivery_info or {}), self._track_started(task))
+                  dict(message.delivery_info or {}), self._track_started(task),
+                  delivery.queue, (message.properties or {}).get("priority"),
+                  delivery.policy.acks_late)
         now = time.monotonic()
         try:
             child.assign(delivery, job, now)

@@ -28,6 +28,9 @@ class Job:
     headers: dict[str, Any]
     delivery_info: dict[str, Any]
     track_started: bool
+    queue: str = ""
+    priority: int | None = None
+    acks_late: bool = True
 
 
 @dataclass(frozen=True)

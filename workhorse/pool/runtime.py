@@ -11,7 +11,6 @@ import os
 import random
 import signal
 import sys
-import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
@@ -19,10 +18,7 @@ import psutil
 import setproctitle
 from billiard.util import set_pdeathsig
 
-from ..exceptions import MalformedMessage, NotRegistered, ResultEncodeError
-from ..outcome import Outcome
-from ..protocol import decode_body, parse_request
-from ..task import Context
+from .execute import TaskExecution
 from .ipc import Done, Hello, Job, Stop, read_frame, write_frame
 from .limits import SOFT_LIMIT_SIGNAL, SoftLimit, signals_blocked
 
@@ -104,78 +100,14 @@ class ChildRuntime:
 
     # -- one task
     def execute(self, job: Job) -> Done:
-        request = parse_request(job.headers)  # the supervisor checked these already
-        task = self.app.tasks.get(job.task)
-        label = f"{job.task}[{request.id}]"
-        self.set_title(f"running {label}")
-        if task is None:   # the supervisor checks the registry first; never trust it blindly
-            return Done(job.seq, Outcome.UNKNOWN_TASK, str(NotRegistered(job.task)))
-        try:
-            args, kwargs, _embed = decode_body(job.body, job.content_type, job.content_encoding)
-        except MalformedMessage as exc:
-            log.error("%s: malformed message, dead-lettered: %s", label, exc)
-            return Done(job.seq, Outcome.MALFORMED, str(exc))
-        context = Context(
-            id=request.id, task=job.task, args=args, kwargs=kwargs, retries=request.retries,
-            root_id=request.root_id, parent_id=request.parent_id, group=request.group,
-            origin=request.origin, eta=request.eta, expires=request.expires,
-            hostname=self.hostname, delivery_info=job.delivery_info, headers=job.headers,
-            timelimit=(request.time_limit, request.soft_time_limit), called_directly=False)
-        info: dict[str, Any] = {"task": job.task, "args": args, "kwargs": kwargs,
-                                "hostname": self.hostname, "retries": request.retries,
-                                "group": request.group, "parent_id": request.parent_id,
-                                "delivery_info": job.delivery_info}
-        backend = self.app.backend
-        store = not (task.ignore_result or request.ignore_result)
-        started = time.monotonic()
-        task.push_request(context)
-        try:
-            if job.track_started and store:
-                backend.mark_as_started(request.id, request=info)
-            try:
-                with self.soft_limit.armed_around_task():
-                    retval = task.run(task, *args, **kwargs) if task.bind else task.run(*args, **kwargs)
-            except BaseException as exc:  # noqa: BLE001 - a task's SystemExit is its failure too
-                # A soft limit landing just as the task returned is counted against it.
-                tb = traceback.format_exc()
-                runtime = time.monotonic() - started
-                log.error("Task %s raised %s in %.3fs: %r\n%s", label, type(exc).__name__,
-                          runtime, exc, tb)
-                if store:
-                    self._store_failure(backend, request.id, exc, tb, info)
-                return self._done(job, Outcome.FAILED, f"{type(exc).__name__}: {exc}")
-            runtime = time.monotonic() - started
-            if store:
-                try:
-                    backend.mark_as_done(request.id, retval, request=info)
-                except ResultEncodeError as exc:
-                    log.error("Task %s returned a value that cannot be stored: %s", label, exc)
-                    self._store_failure(backend, request.id, exc, None, info)
-                    return self._done(job, Outcome.FAILED, str(exc))
-            log.info("Task %s succeeded in %.3fs: %.200r", label, runtime, retval)
-            return self._done(job, Outcome.SUCCEEDED)
-        except Exception as exc:  # noqa: BLE001 - the result store failed
-            log.error("Task %s: result store error, the message goes back to the broker: %r",
-                      label, exc)
-            return self._done(job, Outcome.STORE_FAILED, repr(exc))
-        finally:
-            task.pop_request()
-
-    def _store_failure(self, backend: Any, task_id: str, exc: BaseException, tb: str | None,
-                       info: dict[str, Any]) -> None:
-        try:
-            backend.mark_as_failure(task_id, exc, tb, request=info)
-        except ResultEncodeError:
-            # The exception's own args would not encode: store a plain description instead.
-            backend.mark_as_failure(task_id, ResultEncodeError(
-                f"{type(exc).__name__}: {exc!r}"[:2000]), tb, request=info)
-
-    def _done(self, job: Job, outcome: Outcome, detail: str | None = None) -> Done:
+        execution = TaskExecution(self.app, job, self.hostname, self.soft_limit.armed_around_task)
+        self.set_title(f"running {job.task}[{job.headers.get('id')}]")
+        finished = execution.run()
         try:
             rss = self.process.memory_info().rss
         except psutil.Error:
             rss = 0
-        return Done(job.seq, outcome.value, detail, rss)
+        return Done(job.seq, finished.outcome.value, finished.detail, rss)
 
 
 def child_main(runtime: ChildRuntime, close_fds: list[int]) -> None:

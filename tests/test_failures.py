@@ -1,0 +1,210 @@
+"""Errors and retries in a real worker on each broker: self.retry, autoretry, Ignore,
+Reject, error callbacks, links and chains."""
+from __future__ import annotations
+
+import pytest
+
+from workhorse import MaxRetriesExceededError, chain
+from workhorse.daemon.consumer import DEAD_REASON_HEADER
+from workhorse.states import PENDING, RETRY, SUCCESS
+
+from .conftest import runs, wait_until
+from .test_delivery import dead_letters, failure, starts
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def errback_lines(tmp_path) -> list[str]:
+    path = tmp_path / "grandchild.pid.errback"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_manual_retry_goes_through_retry_then_success(broker, client, start_worker, tmp_path):
+    from tests.apps.basic import flaky
+    start_worker(broker)
+    result = flaky.delay(2, 0.3)
+    seen: set[str] = set()
+    wait_until(lambda: seen.add(result.state) or result.state == SUCCESS, 30, "SUCCESS")
+    assert RETRY in seen
+    assert result.get() == "ok after 2 retries"
+    assert starts(tmp_path, result.id) == 3
+    assert broker.queue_size() == 0
+    dead_letters(broker, 0)
+
+
+def test_retry_meta_carries_the_count_and_eta(broker, client, start_worker):
+    from tests.apps.basic import flaky
+    start_worker(broker)
+    result = flaky.delay(1, 1.0)
+    wait_until(lambda: client.backend.get_task_meta(result.id)["status"] == RETRY, 20, "RETRY")
+    meta = client.backend.get_task_meta(result.id)
+    assert meta["retries"] == 1 and meta["eta"]
+    assert meta["result"]["exc_type"] == "ValueError"
+    assert result.get(timeout=20) == "ok after 1 retries"
+
+
+def test_past_max_retries_without_exc_is_max_retries_exceeded(broker, client, start_worker,
+                                                              tmp_path):
+    from tests.apps.basic import always_retry
+    start_worker(broker)
+    result = always_retry.delay()
+    exc = failure(result)
+    assert type(exc).__name__ == MaxRetriesExceededError.__name__
+    assert starts(tmp_path, result.id) == 3         # the first run and max_retries=2 retries
+
+
+def test_past_max_retries_the_exception_is_re_raised(broker, client, start_worker):
+    from tests.apps.basic import always_retry
+    start_worker(broker)
+    assert isinstance(failure(always_retry.delay(True)), KeyError)
+
+
+def test_autoretry_then_success(broker, client, start_worker, tmp_path):
+    from tests.apps.basic import auto_flaky
+    start_worker(broker)
+    result = auto_flaky.delay(2)
+    assert result.get(timeout=30) == 2
+    assert starts(tmp_path, result.id) == 3
+
+
+def test_autoretry_gives_up_with_the_last_exception(broker, client, start_worker, tmp_path):
+    from tests.apps.basic import auto_flaky
+    start_worker(broker)
+    result = auto_flaky.delay(10)
+    exc = failure(result)
+    assert isinstance(exc, ConnectionError) and str(exc) == "attempt 2"
+    assert starts(tmp_path, result.id) == 3
+
+
+def test_dont_autoretry_for_fails_at_once(broker, client, start_worker, tmp_path):
+    from tests.apps.basic import auto_selective
+    start_worker(broker)
+    key = auto_selective.delay("key")
+    assert isinstance(failure(key), KeyError)
+    assert starts(tmp_path, key.id) == 1
+    value = auto_selective.delay("value")
+    assert isinstance(failure(value), ValueError)
+    assert starts(tmp_path, value.id) == 6       # retry_kwargs: max_retries=5
+
+
+@pytest.mark.parametrize("broker", ["sqlite", "redis"], indirect=True)
+def test_autoretry_with_backoff_and_jitter_in_a_real_worker(broker, client, start_worker,
+                                                            tmp_path):
+    """retry_backoff from the configuration reaches an autoretrying task."""
+    from tests.apps.basic import auto_flaky
+    start_worker(broker, retry_backoff=1, retry_jitter=True)
+    result = auto_flaky.delay(2)          # waits ≤ 1 s, then ≤ 2 s
+    assert result.get(timeout=30) == 2
+
+
+def test_a_crash_between_publishing_the_retry_and_settling_duplicates_never_loses(
+        broker, client, start_worker, tmp_path):
+    from tests.apps.basic import retry_then_crash
+    start_worker(broker)
+    result = retry_then_crash.delay()
+    assert result.get(timeout=30) == "done"
+    # The original came back (child lost, requeued) and the retry ran too: a duplicate.
+    wait_until(lambda: starts(tmp_path, result.id) == 3, 20, "the crash, the requeue, the retry")
+    wait_until(lambda: broker.queue_size() == 0, 10, "nothing left")
+    dead_letters(broker, 0)
+
+
+def test_ignore_stores_nothing_and_acks(broker, client, start_worker, tmp_path):
+    from tests.apps.basic import add, ignorer
+    worker = start_worker(broker)
+    result = ignorer.delay()
+    worker.wait_for_log(rf"Task tests.apps.basic.ignorer\[{result.id}\] ignored")
+    assert add.delay(1, 1).get(timeout=20) == 2
+    assert result.state == PENDING
+    assert broker.queue_size() == 0
+    dead_letters(broker, 0)
+
+
+def test_reject_dead_letters_with_failure(broker, client, start_worker):
+    from tests.apps.basic import rejecter
+    start_worker(broker)
+    result = rejecter.delay(False)
+    [(headers, _)] = dead_letters(broker, 1)
+    assert headers[DEAD_REASON_HEADER].startswith("rejected")
+    assert type(failure(result)).__name__ == "Reject"
+
+
+def test_reject_requeue_counts_as_a_delivery(broker, client, start_worker, tmp_path):
+    from tests.apps.basic import rejecter
+    start_worker(broker, max_deliveries=2)
+    result = rejecter.delay(True)
+    [(headers, _)] = dead_letters(broker, 1)
+    assert starts(tmp_path, result.id) == 2
+    assert result.state == PENDING        # a requeue stores nothing
+
+
+@pytest.mark.parametrize("broker", ["sqlite"], indirect=True)
+def test_reject_with_early_ack_has_no_effect_but_a_warning(broker, client, start_worker,
+                                                           tmp_path):
+    from tests.apps.basic import rejecter
+    worker = start_worker(broker, acks_late=False)
+    result = rejecter.delay(True)
+    worker.wait_for_log("no effect with acks_late = false")
+    assert starts(tmp_path, result.id) == 1
+    assert broker.queue_size() == 0
+
+
+def test_errback_with_request_exc_traceback_runs_in_the_worker(broker, client, start_worker,
+                                                               tmp_path):
+    from tests.apps.basic import errback_new, fail
+    start_worker(broker)
+    result = fail.apply_async(("x",), link_error=errback_new.s())
+    failure(result)
+    wait_until(lambda: errback_lines(tmp_path), 20, "the errback")
+    assert errback_lines(tmp_path) == [f"{result.id} ValueError True tests.apps.basic.fail"]
+
+
+def test_errback_taking_a_task_id_is_sent_as_a_task(broker, client, start_worker, tmp_path):
+    from tests.apps.basic import errback_old, fail
+    start_worker(broker)
+    result = fail.apply_async(("x",), link_error=errback_old.s())
+    failure(result)
+    wait_until(lambda: errback_lines(tmp_path), 20, "the errback task")
+    assert errback_lines(tmp_path) == [f"old {result.id}"]
+
+
+def test_a_failing_errback_is_logged_and_the_worker_goes_on(broker, client, start_worker):
+    from tests.apps.basic import add, errback_crashing, fail
+    worker = start_worker(broker)
+    failure(fail.apply_async(("x",), link_error=errback_crashing.s()))
+    worker.wait_for_log("its errback tests.apps.basic.errback_crashing failed")
+    assert add.delay(2, 2).get(timeout=20) == 4
+
+
+def test_link_applies_the_callback_to_the_result(broker, client, start_worker):
+    from tests.apps.basic import add, mul
+    start_worker(broker)
+    callback = mul.s(10).set(task_id="cb-" + broker.queue)
+    assert add.apply_async((1, 2), link=callback).get(timeout=20) == 3
+    assert client.AsyncResult(callback.options["task_id"]).get(timeout=20) == 30
+
+
+def test_chain_passes_each_result_on(broker, client, start_worker):
+    from tests.apps.basic import add, mul
+    start_worker(broker)
+    result = (add.s(1, 2) | mul.s(10) | add.s(5)).apply_async()
+    assert result.get(timeout=30) == 35
+
+
+def test_chain_with_a_failing_middle_step_stops_and_calls_its_errback(
+        broker, client, start_worker, tmp_path):
+    from tests.apps.basic import add, errback_new, fail
+    start_worker(broker)
+    steps = chain(add.s(1, 2), fail.si("middle"), add.s(100)).on_error(errback_new.s())
+    result = steps.apply_async()
+    wait_until(lambda: errback_lines(tmp_path), 20, "the chain's errback")
+    [line] = errback_lines(tmp_path)
+    assert line.endswith("ValueError True tests.apps.basic.fail")
+    assert result.state == PENDING            # the last step never ran
+    assert broker.queue_size() == 0
+
+
+def test_immutable_signature_ignores_the_previous_result(broker, client, start_worker):
+    from tests.apps.basic import add
+    start_worker(broker)
+    assert (add.s(1, 1) | add.si(5, 5)).apply_async().get(timeout=20) == 10

@@ -1,0 +1,201 @@
+"""Signatures and chains: a task call as data, in Celery's wire layout.
+
+A signature is a dict ``{task, args, kwargs, options, subtask_type, immutable, chord_size}``
+so it travels as JSON in a message's ``callbacks``, ``errbacks`` and ``chain`` fields and
+Celery reads it unchanged.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .app import App
+    from .result import AsyncResult
+    from .task import Task
+
+
+class Signature(dict):  # type: ignore[type-arg]
+    """``add.s(2)`` → call later with more arguments; ``add.si(2, 3)`` → call exactly so."""
+
+    def __init__(self, task: str | Task | Mapping[str, Any], args: Sequence[Any] = (),
+                 kwargs: Mapping[str, Any] | None = None, options: Mapping[str, Any] | None = None,
+                 *, immutable: bool = False, subtask_type: str | None = None,
+                 app: App | None = None) -> None:
+        if isinstance(task, Mapping):     # from the wire
+            data = dict(task)
+            super().__init__(task=data["task"], args=list(data.get("args") or ()),
+                             kwargs=dict(data.get("kwargs") or {}),
+                             options=dict(data.get("options") or {}),
+                             subtask_type=data.get("subtask_type"),
+                             immutable=bool(data.get("immutable")),
+                             chord_size=data.get("chord_size"))
+        else:
+            name = task if isinstance(task, str) else task.name
+            app = app or (None if isinstance(task, str) else task.app)
+            super().__init__(task=name, args=list(args), kwargs=dict(kwargs or {}),
+                             options=dict(options or {}), subtask_type=subtask_type,
+                             immutable=immutable, chord_size=None)
+        self._app = app
+
+    # -- fields
+    @property
+    def name(self) -> str:
+        return self["task"]
+
+    @property
+    def args(self) -> list[Any]:
+        return self["args"]
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return self["kwargs"]
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return self["options"]
+
+    @property
+    def immutable(self) -> bool:
+        return self["immutable"]
+
+    @property
+    def app(self) -> App:
+        if self._app is None:
+            from .app import current_app
+            self._app = current_app()
+        return self._app
+
+    # -- building
+    def clone(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+              **options: Any) -> Signature:
+        """A copy with ``args`` prepended (unless immutable) and kwargs/options merged."""
+        merged_args, merged_kwargs = self._merge(args, kwargs)
+        return Signature(self.name, merged_args, merged_kwargs, {**self.options, **options},
+                         immutable=self.immutable, subtask_type=self["subtask_type"],
+                         app=self._app)
+
+    def _merge(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None
+               ) -> tuple[list[Any], dict[str, Any]]:
+        if self.immutable:
+            return list(self.args), dict(self.kwargs)
+        return [*args, *self.args], {**self.kwargs, **(kwargs or {})}
+
+    def set(self, **options: Any) -> Signature:
+        self.options.update(options)
+        return self
+
+    def link(self, callback: Signature) -> Signature:
+        """Apply ``callback`` to this task's result when it succeeds."""
+        self.options.setdefault("link", []).append(callback)
+        return callback
+
+    def link_error(self, errback: Signature) -> Signature:
+        """Call ``errback`` when this task fails."""
+        self.options.setdefault("link_error", []).append(errback)
+        return errback
+
+    def on_error(self, errback: Signature) -> Signature:
+        """Like link_error, but returns this signature (for chaining calls)."""
+        self.link_error(errback)
+        return self
+
+    def __or__(self, other: Signature) -> chain:
+        if isinstance(other, chain):
+            return chain(self, *other.tasks, app=self._app)
+        return chain(self, other, app=self._app)
+
+    # -- calling
+    def apply_async(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                    **options: Any) -> AsyncResult:
+        from .app import SEND_OPTIONS
+        merged_args, merged_kwargs = self._merge(args, kwargs)
+        merged = {**self.options, **options}
+        if merged.get("queue") is None and merged.get("routing_key"):
+            merged["queue"] = merged["routing_key"]   # Celery routing by key = queue name
+        # Signatures made by Celery carry options workhorse has no use for (exchange, ...).
+        return self.app.send_task(self.name, merged_args, merged_kwargs,
+                                  **{k: v for k, v in merged.items() if k in SEND_OPTIONS})
+
+    def delay(self, *args: Any, **kwargs: Any) -> AsyncResult:
+        return self.apply_async(args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the task here and now, as a function call."""
+        merged_args, merged_kwargs = self._merge(args, kwargs)
+        return self.app.tasks[self.name](*merged_args, **merged_kwargs)
+
+    def __repr__(self) -> str:
+        args = ", ".join([*(repr(a) for a in self.args),
+                          *(f"{k}={v!r}" for k, v in self.kwargs.items())])
+        return f"{self.name}{'!' if self.immutable else ''}({args})"
+
+
+class chain(Signature):  # noqa: N801 - Celery's name
+    """Run tasks one after another, each getting the previous one's result; ``apply_async``
+    returns the last task's AsyncResult.
+
+    On the wire the first task's message carries the rest, in reverse order, in its
+    ``chain`` field; an error callback set on the chain is set on every task of it.
+    """
+
+    def __init__(self, *tasks: Signature | Iterable[Signature], app: App | None = None) -> None:
+        flat: list[Signature] = []
+        for task in tasks:
+            if isinstance(task, chain):
+                flat.extend(task.tasks)
+            elif isinstance(task, Signature):
+                flat.append(task)
+            else:
+                flat.extend(Signature(t) if not isinstance(t, Signature) else t for t in task)
+        if not flat:
+            raise ValueError("a chain needs at least one task")
+        super().__init__("celery.chain", (), {"tasks": flat}, subtask_type="chain",
+                         app=app or flat[0]._app)
+
+    @property
+    def tasks(self) -> list[Signature]:
+        return self.kwargs["tasks"]
+
+    def __or__(self, other: Signature) -> chain:
+        return chain(*self.tasks, other, app=self._app)
+
+    def apply_async(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                    **options: Any) -> AsyncResult:
+        errbacks = [*self.options.get("link_error", ()), *_as_list(options.pop("link_error", None))]
+        from .task import new_task_id
+        steps = [task.clone() for task in self.tasks]
+        for step in steps:
+            step.options.setdefault("task_id", new_task_id())   # known now: the result is the last's
+            for errback in errbacks:
+                step.link_error(errback)
+        first, rest = steps[0], steps[1:]
+        first.apply_async(args, kwargs, chain=list(reversed(rest)) or None, **options)
+        return self.app.AsyncResult(steps[-1].options["task_id"])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.tasks[0](*args, **kwargs)
+        for step in self.tasks[1:]:
+            result = step(result)
+        return result
+
+    def __repr__(self) -> str:
+        return " | ".join(repr(t) for t in self.tasks)
+
+
+def signature(value: Mapping[str, Any], app: App | None = None) -> Signature:
+    """A Signature from its wire dict (or return it if it already is one)."""
+    if isinstance(value, Signature):
+        return value
+    if value.get("subtask_type") == "chain":
+        tasks = [signature(t, app) for t in (value.get("kwargs") or {}).get("tasks", ())]
+        made = chain(*tasks, app=app)
+        made.options.update(value.get("options") or {})
+        return made
+    return Signature(value, app=app)
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -1,0 +1,223 @@
+"""Running one task in a child: decode, call, store the outcome, apply callbacks.
+
+Returns an Outcome for the supervisor to settle. The result is stored before the outcome
+is reported, so with acks_late a message is never acked before its result is safe.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..canvas import signature
+from ..exceptions import (
+    Ignore,
+    MalformedMessage,
+    NotRegistered,
+    Reject,
+    ResultEncodeError,
+    Retry,
+)
+from ..outcome import Outcome
+from ..protocol import decode_body, parse_request
+from ..retrying import retry_countdown, should_autoretry
+from ..task import Context, Task
+from .ipc import Job
+
+if TYPE_CHECKING:
+    from ..app import App
+
+log = logging.getLogger("workhorse.child")
+
+
+@dataclass(frozen=True)
+class Finished:
+    outcome: Outcome
+    detail: str | None = None
+
+
+class TaskExecution:
+    """One job in one child. ``armed`` arms the soft time limit around the task body."""
+
+    def __init__(self, app: App, job: Job, hostname: str,
+                 armed: Callable[[], AbstractContextManager[None]]) -> None:
+        self.app = app
+        self.job = job
+        self.hostname = hostname
+        self.armed = armed
+
+    def run(self) -> Finished:
+        job = self.job
+        request = parse_request(job.headers)   # the supervisor checked these already
+        self.label = f"{job.task}[{request.id}]"
+        task = self.app.tasks.get(job.task)
+        if task is None:   # the supervisor checks the registry first; never trust it blindly
+            return Finished(Outcome.UNKNOWN_TASK, str(NotRegistered(job.task)))
+        try:
+            args, kwargs, embed = decode_body(job.body, job.content_type, job.content_encoding)
+        except MalformedMessage as exc:
+            log.error("%s: malformed message, dead-lettered: %s", self.label, exc)
+            return Finished(Outcome.MALFORMED, str(exc))
+        self.task = task
+        self.context = Context(
+            id=request.id, task=job.task, args=args, kwargs=kwargs, retries=request.retries,
+            root_id=request.root_id, parent_id=request.parent_id, group=request.group,
+            group_index=request.group_index, origin=request.origin, eta=request.eta,
+            expires=request.expires, hostname=self.hostname, delivery_info=job.delivery_info,
+            headers=job.headers, timelimit=(request.time_limit, request.soft_time_limit),
+            called_directly=False, priority=job.priority, queue=job.queue,
+            callbacks=embed.get("callbacks"), errbacks=embed.get("errbacks"),
+            chain=embed.get("chain"))
+        self.info: dict[str, Any] = {
+            "task": job.task, "args": args, "kwargs": kwargs, "hostname": self.hostname,
+            "retries": request.retries, "group": request.group, "parent_id": request.parent_id,
+            "delivery_info": job.delivery_info}
+        self.store = not (task.ignore_result or request.ignore_result)
+        task.push_request(self.context)
+        try:
+            return self._run(task, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - the result store failed
+            log.error("Task %s: result store error, the message goes back to the broker: %r",
+                      self.label, exc)
+            return Finished(Outcome.STORE_FAILED, repr(exc))
+        finally:
+            task.pop_request()
+
+    # ------------------------------------------------------------------ outcomes
+    def _run(self, task: Task, args: list[Any], kwargs: dict[str, Any]) -> Finished:
+        backend = self.app.backend
+        if self.job.track_started and self.store:
+            backend.mark_as_started(self.context.id, request=self.info)
+        started = time.monotonic()
+        try:
+            with self.armed():
+                retval = task.run(task, *args, **kwargs) if task.bind else task.run(*args, **kwargs)
+        except Retry as signal:
+            return self._retried(signal)
+        except Ignore:
+            log.info("Task %s ignored", self.label)
+            return Finished(Outcome.IGNORED)
+        except Reject as reject:
+            return self._rejected(reject)
+        except BaseException as exc:  # noqa: BLE001 - a task's SystemExit is its failure too
+            # A soft limit landing just as the task returned is counted against it.
+            tb = traceback.format_exc()
+            if isinstance(exc, Exception) and self._autoretries(exc):
+                try:
+                    self._autoretry(exc)
+                except Retry as signal:
+                    return self._retried(signal)
+                except BaseException as final:  # noqa: BLE001 - past max_retries
+                    exc, tb = final, (tb if final is exc else traceback.format_exc())
+            return self._failed(exc, tb, time.monotonic() - started)
+        return self._succeeded(retval, time.monotonic() - started)
+
+    def _succeeded(self, retval: Any, runtime: float) -> Finished:
+        if self.store:
+            try:
+                self.app.backend.mark_as_done(self.context.id, retval, request=self.info)
+            except ResultEncodeError as exc:
+                log.error("Task %s returned a value that cannot be stored: %s", self.label, exc)
+                return self._failed(exc, None, runtime)
+        log.info("Task %s succeeded in %.3fs: %.200r", self.label, runtime, retval)
+        self._apply_callbacks(retval)
+        return Finished(Outcome.SUCCEEDED)
+
+    def _failed(self, exc: BaseException, tb: str | None, runtime: float) -> Finished:
+        log.error("Task %s raised %s in %.3fs: %r\n%s", self.label, type(exc).__name__, runtime,
+                  exc, tb or "")
+        if self.store:
+            self._store_failure(exc, tb)
+        self._call_errbacks(exc, tb)
+        return Finished(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
+
+    def _retried(self, signal: Retry) -> Finished:
+        log.info("Task %s retry: %s", self.label, signal)
+        return Finished(Outcome.RETRY, str(signal))
+
+    def _rejected(self, reject: Reject) -> Finished:
+        if not self.job.acks_late:
+            log.warning("Task %s raised Reject, which has no effect with acks_late = false: "
+                        "the message was acked when the task started", self.label)
+        if reject.requeue:
+            log.info("Task %s rejected its message, requeued: %s", self.label, reject.reason)
+            return Finished(Outcome.REJECTED_REQUEUE, f"rejected: {reject.reason}")
+        log.error("Task %s rejected its message: %s", self.label, reject.reason)
+        if self.store:
+            self._store_failure(reject, None)
+        return Finished(Outcome.REJECTED, f"rejected: {reject.reason}")
+
+    def _store_failure(self, exc: BaseException, tb: str | None) -> None:
+        backend = self.app.backend
+        try:
+            backend.mark_as_failure(self.context.id, exc, tb, request=self.info)
+        except ResultEncodeError:
+            # The exception's own args would not encode: store a plain description instead.
+            backend.mark_as_failure(self.context.id, ResultEncodeError(
+                f"{type(exc).__name__}: {exc!r}"[:2000]), tb, request=self.info)
+
+    # ------------------------------------------------------------------ retries
+    def _autoretries(self, exc: Exception) -> bool:
+        return should_autoretry(exc, self.task.autoretry_for, self.task.dont_autoretry_for)
+
+    def _autoretry(self, exc: Exception) -> None:
+        """Retry as the task's autoretry options say; raises Retry, or the final error."""
+        task = self.task
+        kwargs = dict(task.retry_kwargs or {})
+        backoff = task.option("retry_backoff")
+        if backoff:
+            kwargs["countdown"] = retry_countdown(
+                self.context.retries, backoff=backoff,
+                backoff_max=task.option("retry_backoff_max"), jitter=task.option("retry_jitter"),
+                default_delay=task.option("default_retry_delay"))
+        task.retry(exc=exc, **kwargs)
+
+    # ------------------------------------------------------------------ callbacks
+    def _apply_callbacks(self, retval: Any) -> None:
+        """``link`` callbacks get the result first; the next chain step does too."""
+        ctx = self.context
+        follow_ups: list[tuple[dict[str, Any], dict[str, Any]]] = [
+            (cb, {}) for cb in ctx.callbacks or ()]
+        if ctx.chain:
+            follow_ups.append((ctx.chain[-1], {"chain": ctx.chain[:-1] or None}))
+        for data, extra in follow_ups:
+            try:
+                signature(data, self.app).apply_async(
+                    (retval,), parent_id=ctx.id, root_id=ctx.root_id, **extra)
+            except Exception:  # noqa: BLE001 - the task itself succeeded and is stored
+                log.exception("Task %s: could not send its callback %s", self.label,
+                              data.get("task"))
+
+    def _call_errbacks(self, exc: BaseException, tb: str | None) -> None:
+        """Errbacks taking (request, exc, traceback) run here, in this child, as Celery
+        runs them; ones taking a task id are sent as tasks. A failing errback is logged."""
+        ctx = self.context
+        for data in ctx.errbacks or ():
+            errback = signature(data, self.app)
+            local = self.app.tasks.get(errback.name)
+            try:
+                if local is not None and _free_positional(local, errback) > 1:
+                    errback(ctx, exc, tb)
+                else:
+                    errback.apply_async((ctx.id,), parent_id=ctx.id, root_id=ctx.root_id)
+            except Exception:  # noqa: BLE001 - an errback never takes the worker down
+                log.exception("Task %s: its errback %s failed", self.label, errback.name)
+
+
+def _free_positional(task: Task, sig: Any) -> int:
+    """How many positional arguments the errback still takes beyond its signature's own."""
+    try:
+        params = list(inspect.signature(task.run).parameters.values())
+    except (TypeError, ValueError):
+        return 0
+    if task.bind:
+        params = params[1:]
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 1 << 16
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) - len(sig.args)
