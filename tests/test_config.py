@@ -64,6 +64,11 @@ SAMPLES = {
     "retry_backoff": ("3", 3),
     "retry_backoff_max": ("60", 60.0),
     "retry_jitter": ("no", False),
+    "result_extended": ("true", True),
+    "result_backend_always_retry": ("false", False),
+    "result_backend_max_retries": ("4", 4),
+    "result_backend_base_sleep_between_retries_ms": ("5", 5),
+    "result_backend_max_sleep_between_retries_ms": ("500", 500),
 }
 
 

@@ -6,8 +6,9 @@ from .transport import register as _register_transport
 _register_transport()
 
 from .app import App, current_app  # noqa: E402
-from .canvas import Signature, chain, signature  # noqa: E402
+from .canvas import Signature, chain, chord, group, signature  # noqa: E402
 from .exceptions import (  # noqa: E402
+    ChordError,
     Ignore,
     MaxRetriesExceededError,
     NotRegistered,
@@ -18,10 +19,11 @@ from .exceptions import (  # noqa: E402
     TimeoutError,
     WorkerLostError,
 )
-from .result import AsyncResult  # noqa: E402
+from .result import AsyncResult, GroupResult, ResultSet  # noqa: E402
 from .task import Task  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["App", "AsyncResult", "Task", "current_app", "Signature", "chain", "signature",
-           "Ignore", "MaxRetriesExceededError", "NotRegistered", "Reject", "Retry",
+__all__ = ["App", "AsyncResult", "GroupResult", "ResultSet", "Task", "current_app", "Signature",
+           "chain", "chord", "group", "signature",
+           "ChordError", "Ignore", "MaxRetriesExceededError", "NotRegistered", "Reject", "Retry",
            "SoftTimeLimitExceeded", "TimeLimitExceeded", "TimeoutError", "WorkerLostError"]

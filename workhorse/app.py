@@ -11,13 +11,13 @@ from typing import Any, overload
 from kombu import Connection, Producer
 from kombu.exceptions import EncodeError
 
-from .backends import Backend, backend_from_url
+from .backends import Backend, RetryPolicy, backend_from_url
 from .canvas import Signature
 from .forksafe import abandon
 from .config import SETTINGS, ConfigError, Settings, load_settings
 from .protocol import build_message
 from .queues import ensure_queue
-from .result import AsyncResult
+from .result import AsyncResult, GroupResult, ResultCache
 from .task import Task, current_context, new_task_id, resolve_times
 
 _SETTING_NAMES = frozenset(s.name for s in SETTINGS)
@@ -60,6 +60,7 @@ class App:
         self._producer_connection: Connection | None = None
         self._queues_ready: set[str] = set()
         self._backend: Backend | None = None
+        self.result_cache = ResultCache()
         _current.append(self)
 
     # -- configuration
@@ -74,6 +75,7 @@ class App:
         ``None`` re-reads them from their sources on next use."""
         self.close()
         self._settings = settings
+        self.result_cache = ResultCache()
 
     # -- tasks
     @overload
@@ -109,13 +111,21 @@ class App:
     def backend(self) -> Backend:
         self._check_fork()
         if self._backend is None:
-            settings = self.settings
-            self._backend = backend_from_url(settings.result_backend,
-                                             expires=settings.result_expires)
+            s = self.settings
+            self._backend = backend_from_url(
+                s.result_backend, expires=s.result_expires, extended=s.result_extended,
+                retry=RetryPolicy(
+                    always_retry=s.result_backend_always_retry,
+                    max_retries=s.result_backend_max_retries,
+                    base_sleep=s.result_backend_base_sleep_between_retries_ms / 1000,
+                    max_sleep=s.result_backend_max_sleep_between_retries_ms / 1000))
         return self._backend
 
     def AsyncResult(self, task_id: str) -> AsyncResult:  # noqa: N802 - Celery's name
         return AsyncResult(task_id, app=self)
+
+    def GroupResult(self, group_id: str, results: Sequence[AsyncResult]) -> GroupResult:  # noqa: N802
+        return GroupResult(group_id, results, app=self)
 
     # -- broker
     def connection(self) -> Connection:
@@ -138,6 +148,7 @@ class App:
                   link: Signature | Sequence[Signature] | None = None,
                   link_error: Signature | Sequence[Signature] | None = None,
                   chain: Sequence[Mapping[str, Any]] | None = None,
+                  chord: Mapping[str, Any] | None = None,
                   root_id: str | None = None, parent_id: str | None = None,
                   group_id: str | None = None, group_index: int | None = None) -> AsyncResult:
         """Publish a protocol v2 message for task ``name`` and return its AsyncResult.
@@ -165,6 +176,7 @@ class App:
             group=group_id, group_index=group_index,
             callbacks=_signatures(link), errbacks=_signatures(link_error),
             chain=[dict(s) for s in chain] if chain else None,
+            chord=dict(chord) if chord else None,
             ignore_result=ignore_result, shadow=shadow, extra_headers=headers)
         properties = dict(message.properties)
         # Celery also sets the AMQP `expiration` property; RabbitMQ then drops the expired
@@ -176,7 +188,10 @@ class App:
             self._publish(queue_name, message.body, message.headers, priority, properties)
         except EncodeError as exc:
             raise TypeError(f"{name}: arguments cannot be sent as JSON: {exc}") from None
-        return AsyncResult(task_id, app=self)
+        result = AsyncResult(task_id, app=self)
+        if parent is not None:
+            parent.children.append(result)
+        return result
 
     def _publish(self, queue: str, body: Any, headers: dict[str, Any], priority: int | None,
                  properties: dict[str, Any]) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .app import App
-    from .result import AsyncResult
+    from .result import AsyncResult, GroupResult
     from .task import Task
 
 
@@ -171,7 +171,12 @@ class chain(Signature):  # noqa: N801 - Celery's name
                 step.link_error(errback)
         first, rest = steps[0], steps[1:]
         first.apply_async(args, kwargs, chain=list(reversed(rest)) or None, **options)
-        return self.app.AsyncResult(steps[-1].options["task_id"])
+        from .result import AsyncResult
+        result = None
+        for step in steps:     # each step's result has the previous one as its parent
+            result = AsyncResult(step.options["task_id"], app=self.app, parent=result)
+        assert result is not None
+        return result
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         result = self.tasks[0](*args, **kwargs)
@@ -181,6 +186,86 @@ class chain(Signature):  # noqa: N801 - Celery's name
 
     def __repr__(self) -> str:
         return " | ".join(repr(t) for t in self.tasks)
+
+
+class group(Signature):  # noqa: N801 - Celery's name
+    """Run tasks in parallel; ``apply_async`` returns a GroupResult (not yet saved)."""
+
+    def __init__(self, *tasks: Signature | Iterable[Signature], app: App | None = None) -> None:
+        flat: list[Signature] = []
+        for task in tasks:
+            if isinstance(task, Signature):
+                flat.append(task)
+            else:
+                flat.extend(t if isinstance(t, Signature) else Signature(t) for t in task)
+        super().__init__("celery.group", (), {"tasks": flat}, subtask_type="group",
+                         app=app or (flat[0]._app if flat else None))
+
+    @property
+    def tasks(self) -> list[Signature]:
+        return self.kwargs["tasks"]
+
+    def freeze(self, group_id: str | None = None) -> tuple[str, list[Signature]]:
+        """Fix the group's id and each member's task id and place, before sending."""
+        from .task import new_task_id
+        group_id = group_id or self.options.get("task_id") or new_task_id()
+        members = []
+        for index, task in enumerate(self.tasks):
+            member = task.clone(group_id=group_id, group_index=index)
+            member.options.setdefault("task_id", new_task_id())
+            members.append(member)
+        return group_id, members
+
+    def apply_async(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                    **options: Any) -> GroupResult:
+        from .result import GroupResult
+        group_id, members = self.freeze(options.pop("group_id", None))
+        results = [member.apply_async(args, kwargs, **options) for member in members]
+        return GroupResult(group_id, results, app=self.app)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return [task(*args, **kwargs) for task in self.tasks]
+
+
+class chord(Signature):  # noqa: N801 - Celery's name
+    """A group (the header) whose results, in order, go to one task (the body) once all
+    header tasks have finished. The count is kept in the result store, so the body runs
+    once; a header task that fails fails the body (ChordError) and calls its errbacks.
+    ``apply_async`` returns the body's AsyncResult, whose parent is the header's
+    GroupResult."""
+
+    def __init__(self, header: Iterable[Signature] | group, body: Signature | None = None,
+                 app: App | None = None) -> None:
+        header_group = header if isinstance(header, group) else group(*header, app=app)
+        super().__init__("celery.chord", (), {"header": header_group, "body": body},
+                         subtask_type="chord", app=app or header_group._app)
+
+    def __call__(self, body: Signature | None = None, **options: Any) -> Any:  # type: ignore[override]
+        """``chord(header)(body)``: apply with this body, as Celery spells it."""
+        if body is not None:
+            self.kwargs["body"] = body
+        return self.apply_async(**options)
+
+    def apply_async(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                    **options: Any) -> AsyncResult:
+        from .result import AsyncResult, GroupResult
+        from .task import new_task_id
+        header: group = self.kwargs["header"]
+        body = self.kwargs["body"]
+        if body is None:
+            raise ValueError("a chord needs a body: chord(header, body) or chord(header)(body)")
+        body = body.clone()
+        body.options.setdefault("task_id", new_task_id())
+        for errback in self.options.get("link_error", ()):
+            body.link_error(errback)
+        group_id, members = header.freeze()
+        if not members:
+            return body.apply_async(([],))
+        self.app.backend.set_chord_size(group_id, len(members))
+        results = [m.apply_async(args, kwargs, chord=body, **options) for m in members]
+        header_result = GroupResult(group_id, results, app=self.app)
+        return AsyncResult(body.options["task_id"], app=self.app,
+                           parent=header_result)  # type: ignore[arg-type]
 
 
 def signature(value: Mapping[str, Any], app: App | None = None) -> Signature:

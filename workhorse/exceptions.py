@@ -14,7 +14,7 @@ __all__ = [
     "WorkhorseError", "SoftTimeLimitExceeded", "TimeLimitExceeded", "WorkerLostError",
     "NotRegistered", "MalformedMessage", "TimeoutError", "TaskRevokedError",
     "AppImportError", "ResultEncodeError", "TooManyDeliveries", "TaskPredicate", "Retry",
-    "Ignore", "Reject", "MaxRetriesExceededError",
+    "Ignore", "Reject", "MaxRetriesExceededError", "ChordError",
 ]
 
 
@@ -102,3 +102,7 @@ class MaxRetriesExceededError(WorkhorseError):
         self.task_args = task_args
         self.task_kwargs = task_kwargs
         super().__init__(*args)
+
+
+class ChordError(WorkhorseError):
+    """A chord's header had a task that failed: its body does not run."""

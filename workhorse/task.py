@@ -43,6 +43,9 @@ class Context:
     callbacks: list[dict[str, Any]] | None = None
     errbacks: list[dict[str, Any]] | None = None
     chain: list[dict[str, Any]] | None = None
+    chord: dict[str, Any] | None = None
+    #: Results of the tasks this task sent while running (stored with its result).
+    children: list[Any] = field(default_factory=list)
 
 
 class _Unset:

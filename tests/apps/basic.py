@@ -204,3 +204,21 @@ def errback_crashing(request, exc, traceback):
 @app.task
 def mul(x, y):
     return x * y
+
+
+# ---------------------------------------------------------------- results and workflows
+@app.task(bind=True)
+def collect(self, results):
+    """A chord body: records its run, returns what it was given."""
+    _record("collect", self.request.id)
+    return results
+
+
+@app.task(bind=True)
+def spawn_children(self, n):
+    return [add.delay(i, i).id for i in range(n)]
+
+
+@app.task
+def get_inside():
+    return add.delay(1, 1).get(timeout=5)

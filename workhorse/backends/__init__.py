@@ -3,31 +3,31 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Backend, DisabledBackend
+from .base import Backend, ChordCompletion, ChordPart, DisabledBackend, RetryPolicy
 from .encoding import decode_exception, encode_exception
 
-__all__ = ["Backend", "DisabledBackend", "backend_from_url", "decode_exception",
-           "encode_exception"]
+__all__ = ["Backend", "ChordCompletion", "ChordPart", "DisabledBackend", "RetryPolicy",
+           "backend_from_url", "decode_exception", "encode_exception"]
 
 
-def backend_from_url(url: str, *, expires: float | None = None,
-                     extended: bool = False) -> Backend:
+def backend_from_url(url: str, *, expires: float | None = None, extended: bool = False,
+                     retry: RetryPolicy | None = None) -> Backend:
     """``sqlite:///…``, ``redis://…``, ``rediss://…``, ``disabled``, or ``pkg.module:Class``."""
     scheme = url.split("://", 1)[0] if "://" in url else ""
     if url == "disabled":
         return DisabledBackend(url)
     if scheme == "sqlite":
         from .sqlite import SQLiteBackend
-        return SQLiteBackend(url, expires=expires, extended=extended)
+        return SQLiteBackend(url, expires=expires, extended=extended, retry=retry)
     if scheme in ("redis", "rediss"):
         from .redis import RedisBackend
-        return RedisBackend(url, expires=expires, extended=extended)
+        return RedisBackend(url, expires=expires, extended=extended, retry=retry)
     if not scheme and "." in url:
         module_name, _, attr = url.partition(":") if ":" in url else url.rpartition(".")
         cls = getattr(importlib.import_module(module_name), attr)
         if not (isinstance(cls, type) and issubclass(cls, Backend)):
             raise ValueError(f"result_backend {url!r} is not a workhorse Backend subclass")
-        return cls(url, expires=expires, extended=extended)
+        return cls(url, expires=expires, extended=extended, retry=retry)
     raise ValueError(
         f"result_backend {url!r}: expected sqlite:///<path>, redis://, rediss://, disabled "
         "or a Backend class path like package.module:Class")

@@ -1,17 +1,22 @@
 """The result store interface every backend implements."""
 from __future__ import annotations
 
+import logging
+import random
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from ..exceptions import ResultEncodeError, TaskRevokedError, TimeoutError
 from ..states import FAILURE, PENDING, READY_STATES, RETRY, REVOKED, STARTED, SUCCESS
-from .encoding import build_meta, dumps, loads
+from .encoding import build_meta, dumps, encode_exception, loads
 
 RequestInfo = Mapping[str, Any]
+T = TypeVar("T")
+log = logging.getLogger("workhorse.results")
 
 
 def pending_meta(task_id: str) -> dict[str, Any]:
@@ -20,17 +25,49 @@ def pending_meta(task_id: str) -> dict[str, Any]:
             "date_done": None, "task_id": task_id}
 
 
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How hard a store or fetch tries through errors the backend calls transient."""
+
+    always_retry: bool = True
+    max_retries: int = 20
+    base_sleep: float = 0.01
+    max_sleep: float = 10.0
+
+    def delay(self, attempt: int) -> float:
+        """Exponential back-off with full jitter."""
+        return random.uniform(0, min(self.max_sleep, self.base_sleep * 2 ** attempt))
+
+
+@dataclass(frozen=True)
+class ChordPart:
+    task_id: str
+    state: str
+    result: Any          # the value, or the encoded exception for FAILURE
+
+
+@dataclass(frozen=True)
+class ChordCompletion:
+    """Handed to the one caller whose part completed the chord: it applies the body."""
+
+    parts: list[ChordPart]    # in header order
+    token: str                # pass to chord_finished() once the body is dispatched
+
+
 class Backend(ABC):
     """Stores task results in Celery's layout and reads them back.
 
-    Subclasses hold the storage: ``_set``, ``_get`` and ``_forget`` on encoded JSON text.
-    A backend object is used from one process; each process opens its own connection.
+    Subclasses hold the storage (``_set``, ``_get``, ``_forget`` on encoded JSON text, the
+    group and chord hooks) and say which of their errors are worth retrying. A backend
+    object is used from one process; each process opens its own connection.
     """
 
-    def __init__(self, url: str, *, expires: float | None = None, extended: bool = False) -> None:
+    def __init__(self, url: str, *, expires: float | None = None, extended: bool = False,
+                 retry: RetryPolicy | None = None) -> None:
         self.url = url
         self.expires = expires or None
         self.extended = extended
+        self.retry_policy = retry or RetryPolicy()
 
     # -- storage, per backend
     @abstractmethod
@@ -42,8 +79,44 @@ class Backend(ABC):
     @abstractmethod
     def _forget(self, task_id: str) -> None: ...
 
+    def _set_group(self, group_id: str, payload: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not store groups")
+
+    def _get_group(self, group_id: str) -> str | None:
+        raise NotImplementedError(f"{type(self).__name__} does not store groups")
+
+    def _forget_group(self, group_id: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not store groups")
+
+    def exception_safe_to_retry(self, exc: BaseException) -> bool:
+        """Is ``exc`` a passing trouble (connection lost, database busy) worth retrying?"""
+        return False
+
+    def on_connection_error(self, exc: BaseException) -> None:
+        """Drop the connection after an error, so the next attempt opens a new one."""
+        self.close()
+
     def close(self) -> None:
         """Release connections; the backend reconnects on next use."""
+
+    # -- resilience
+    def retrying(self, what: str, function: Callable[[], T]) -> T:
+        """Call ``function``, retrying transient errors with back-off and jitter."""
+        policy = self.retry_policy
+        attempt = 0
+        while True:
+            try:
+                return function()
+            except Exception as exc:
+                if (not policy.always_retry or attempt >= policy.max_retries
+                        or not self.exception_safe_to_retry(exc)):
+                    raise
+                delay = policy.delay(attempt)
+                attempt += 1
+                log.warning("result store: %s failed (%r); retry %d of %d in %.2f s", what, exc,
+                            attempt, policy.max_retries, delay)
+                self.on_connection_error(exc)
+                time.sleep(delay)
 
     # -- writing
     def store_result(self, task_id: str, result: Any, state: str,
@@ -57,7 +130,7 @@ class Backend(ABC):
         except (TypeError, ValueError) as exc:
             raise ResultEncodeError(
                 f"the {state} result of task {task_id} cannot be encoded as JSON: {exc}") from exc
-        self._set(task_id, state, payload)
+        self.retrying(f"storing {state} for {task_id}", lambda: self._set(task_id, state, payload))
 
     def mark_as_started(self, task_id: str, request: RequestInfo | None = None) -> None:
         self.store_result(task_id, {"pid": None, "hostname": (request or {}).get("hostname")},
@@ -82,11 +155,11 @@ class Backend(ABC):
         self.store_result(task_id, TaskRevokedError(reason), REVOKED, request=request)
 
     def forget(self, task_id: str) -> None:
-        self._forget(task_id)
+        self.retrying(f"forgetting {task_id}", lambda: self._forget(task_id))
 
     # -- reading
     def get_task_meta(self, task_id: str) -> dict[str, Any]:
-        payload = self._get(task_id)
+        payload = self.retrying(f"reading {task_id}", lambda: self._get(task_id))
         return loads(payload) if payload else pending_meta(task_id)
 
     def wait_for(self, task_id: str, timeout: float | None = None,
@@ -105,6 +178,38 @@ class Backend(ABC):
                 delay = min(delay, remaining)
             time.sleep(delay)
             delay = min(delay * 2, interval)
+
+    # -- groups (Celery's layout: {"result": <GroupResult.as_tuple()>})
+    def save_group(self, group_id: str, as_tuple: Any) -> None:
+        payload = dumps({"result": as_tuple})
+        self.retrying(f"saving group {group_id}", lambda: self._set_group(group_id, payload))
+
+    def restore_group(self, group_id: str) -> Any | None:
+        payload = self.retrying(f"reading group {group_id}", lambda: self._get_group(group_id))
+        return loads(payload)["result"] if payload else None
+
+    def forget_group(self, group_id: str) -> None:
+        self.retrying(f"forgetting group {group_id}", lambda: self._forget_group(group_id))
+
+    # -- chords: counted in the store, so exactly one header task applies the body
+    def set_chord_size(self, group_id: str, size: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support chords")
+
+    def chord_part_return(self, group_id: str, task_id: str, index: int | None, state: str,
+                          result: Any) -> ChordCompletion | None:
+        """Record one header task's outcome. The caller whose part completes the chord
+        (and who claims it) gets the parts in order; everyone else gets None."""
+        raise NotImplementedError(f"{type(self).__name__} does not support chords")
+
+    def chord_finished(self, group_id: str, token: str) -> None:
+        """The body is dispatched: drop the chord's state, remember it is done."""
+        raise NotImplementedError(f"{type(self).__name__} does not support chords")
+
+    @staticmethod
+    def encode_part(state: str, result: Any) -> Any:
+        if state != SUCCESS and isinstance(result, BaseException):
+            return encode_exception(result)
+        return result
 
 
 class DisabledBackend(Backend):

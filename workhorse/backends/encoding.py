@@ -101,6 +101,7 @@ def build_meta(
         "task_id": task_id,
     }
     if request:
+        meta["children"] = list(request.get("children") or ())
         if request.get("group"):
             meta["group_id"] = request["group"]
         if request.get("parent_id"):

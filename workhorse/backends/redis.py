@@ -1,7 +1,14 @@
-"""Results in Redis with Celery's key layout, so Celery clients read them unchanged."""
+"""Results in Redis with Celery's key layout, so Celery clients read them unchanged.
+
+Guarantees: what Redis guarantees (with persistence off, a Redis restart loses results).
+``SETEX`` gives every result ``result_expires`` seconds (none/0: kept until forgotten).
+Waiting clients subscribe to the result's channel, read it once, then wait for the publish;
+after a lost connection they reconnect, resubscribe and read again.
+"""
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from typing import Any
 
@@ -9,43 +16,92 @@ import redis
 
 from ..exceptions import TimeoutError
 from ..states import READY_STATES
-from .base import Backend
-from .encoding import loads
+from .base import Backend, ChordCompletion, ChordPart
+from .encoding import dumps, loads
 
-KEY_PREFIX = "celery-task-meta-"
+TASK_PREFIX = "celery-task-meta-"
+GROUP_PREFIX = "celery-taskset-meta-"
+#: How long the worker that completes a chord holds its claim while it dispatches the body.
+CHORD_CLAIM_SECONDS = 30
+#: How long a finished chord is remembered, so a late duplicate part cannot restart it.
+CHORD_DONE_SECONDS = 300
+
+# The chord keys are Celery's (celery-taskset-meta-<group>.j/.t/.s/.d/.c): a chord's parts
+# may be counted by Celery and workhorse workers alike. The client stores the size in .s.
+_PART_RETURN = """
+local jkey, tkey, skey, dkey, ckey = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local task_id, value, score = ARGV[1], ARGV[2], ARGV[3]
+local expires, claim_seconds, token = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
+if redis.call('GET', ckey) == 'done' then
+    return {-1, 0, 0}
+end
+if redis.call('SADD', dkey, task_id .. ':' .. score) == 1 then
+    redis.call('ZADD', jkey, score, value)
+end
+local ready = redis.call('ZCARD', jkey)
+if expires > 0 then
+    for _, key in ipairs({jkey, tkey, skey, dkey}) do
+        redis.call('EXPIRE', key, expires)
+    end
+end
+local size = tonumber(redis.call('GET', skey) or '0')
+local total = size + tonumber(redis.call('GET', tkey) or '0')
+local claimed = 0
+if size > 0 and ready == total then
+    if redis.call('SET', ckey, token, 'NX', 'EX', claim_seconds) then
+        claimed = 1
+    end
+end
+return {ready, total, claimed}
+"""
+_FINISH = """
+if redis.call('GET', KEYS[5]) == ARGV[1] then
+    redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
+    redis.call('SET', KEYS[5], 'done', 'EX', tonumber(ARGV[2]))
+    return 1
+end
+return 0
+"""
 
 
 class RedisBackend(Backend):
     """``SETEX`` + ``PUBLISH`` in one MULTI/EXEC; waiting clients subscribe, then GET once."""
 
-    def __init__(self, url: str, *, expires: float | None = None, extended: bool = False) -> None:
-        super().__init__(url, expires=expires, extended=extended)
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__(url, **options)
         self._client: redis.Redis | None = None
         self._pid = 0
 
     @property
     def client(self) -> redis.Redis:
         if self._client is None or self._pid != os.getpid():
-            self._client = redis.Redis.from_url(self.url)
+            self._client = redis.Redis.from_url(self.url, socket_connect_timeout=5,
+                                                health_check_interval=30)
             self._pid = os.getpid()
         return self._client
 
     def close(self) -> None:
         if self._client is not None and self._pid == os.getpid():
-            self._client.close()
+            try:
+                self._client.close()
+            except redis.RedisError:
+                pass
         self._client = None
+
+    def exception_safe_to_retry(self, exc: BaseException) -> bool:
+        return isinstance(exc, (redis.ConnectionError, redis.TimeoutError,
+                                redis.exceptions.BusyLoadingError))
 
     @staticmethod
     def key(task_id: str) -> str:
-        return KEY_PREFIX + task_id
+        return TASK_PREFIX + task_id
 
+    # -- task results
     def _set(self, task_id: str, state: str, payload: str) -> None:
         key = self.key(task_id)
         with self.client.pipeline(transaction=True) as pipe:
-            if self.expires:
-                pipe.setex(key, max(1, int(self.expires)), payload)
-            else:
-                pipe.set(key, payload)
+            # SET EX is SETEX (which redis-py now calls deprecated): same command semantics.
+            pipe.set(key, payload, ex=max(1, int(self.expires)) if self.expires else None)
             pipe.publish(key, payload)
             pipe.execute()
 
@@ -58,21 +114,83 @@ class RedisBackend(Backend):
 
     def wait_for(self, task_id: str, timeout: float | None = None,
                  interval: float = 0.5) -> dict[str, Any]:
+        """Subscribe, read once, then wait for the publish; no polling loop."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        try:
-            pubsub.subscribe(self.key(task_id))
-            meta = self.get_task_meta(task_id)
-            while meta["status"] not in READY_STATES:
-                wait = interval if deadline is None else min(interval, deadline - time.monotonic())
-                if wait <= 0:
-                    raise TimeoutError(f"task {task_id} not ready after {timeout} s")
-                message = pubsub.get_message(timeout=wait)
-                if message is not None and message["type"] == "message":
-                    meta = loads(message["data"])
-                elif message is None:
-                    # A missed publish (reconnect) must not leave us waiting forever.
-                    meta = self.get_task_meta(task_id)
-            return meta
-        finally:
-            pubsub.close()
+        channel = self.key(task_id)
+        while True:
+            pubsub = None
+            try:
+                pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(channel)
+                meta = self.get_task_meta(task_id)
+                while meta["status"] not in READY_STATES:
+                    wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                    if wait <= 0:
+                        raise TimeoutError(f"task {task_id} not ready after {timeout} s")
+                    message = pubsub.get_message(timeout=wait)
+                    if message is not None and message["type"] == "message":
+                        meta = loads(message["data"])
+                return meta
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Publishes sent while we were away are lost: reconnect and read again.
+                self.on_connection_error(exc)
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"task {task_id} not ready after {timeout} s") from exc
+                time.sleep(self.retry_policy.delay(2))
+            finally:
+                if pubsub is not None:
+                    try:
+                        pubsub.close()
+                    except redis.RedisError:
+                        pass
+
+    # -- groups
+    def _set_group(self, group_id: str, payload: str) -> None:
+        self.client.set(GROUP_PREFIX + group_id, payload,
+                        ex=max(1, int(self.expires)) if self.expires else None)
+
+    def _get_group(self, group_id: str) -> str | None:
+        value = self.client.get(GROUP_PREFIX + group_id)
+        return value.decode() if isinstance(value, bytes) else value
+
+    def _forget_group(self, group_id: str) -> None:
+        self.client.delete(GROUP_PREFIX + group_id)
+
+    # -- chords
+    @staticmethod
+    def _chord_keys(group_id: str) -> list[str]:
+        base = GROUP_PREFIX + group_id
+        return [base + ".j", base + ".t", base + ".s", base + ".d", base + ".c"]
+
+    def set_chord_size(self, group_id: str, size: int) -> None:
+        keys = self._chord_keys(group_id)
+
+        def setup() -> None:
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.delete(keys[4])          # a re-applied chord is a new run
+                pipe.set(keys[2], size, ex=int(self.expires) if self.expires else None)
+                pipe.execute()
+        self.retrying(f"setting up chord {group_id}", setup)
+
+    def chord_part_return(self, group_id: str, task_id: str, index: int | None, state: str,
+                          result: Any) -> ChordCompletion | None:
+        value = dumps([1, task_id, state, self.encode_part(state, result)])
+        token = secrets.token_hex(8)
+        keys = self._chord_keys(group_id)
+        score = "+inf" if index is None else str(index)
+
+        def count() -> list[Any]:
+            return self.client.eval(_PART_RETURN, 5, *keys, task_id, value, score,
+                                    int(self.expires or 0), CHORD_CLAIM_SECONDS, token)
+        ready, total, claimed = self.retrying(f"counting chord {group_id}", count)
+        if ready == -1 or not claimed:
+            return None
+        members = self.retrying(f"reading chord {group_id}",
+                                lambda: self.client.zrange(keys[0], 0, -1))
+        parts = [ChordPart(tid, st, res) for _, tid, st, res in (loads(m) for m in members)]
+        return ChordCompletion(parts, token)
+
+    def chord_finished(self, group_id: str, token: str) -> None:
+        keys = self._chord_keys(group_id)
+        self.retrying(f"finishing chord {group_id}", lambda: self.client.eval(
+            _FINISH, 5, *keys, token, CHORD_DONE_SECONDS))

@@ -1,16 +1,25 @@
-"""The embedded default result store: one SQLite file shared by the processes of a host."""
+"""The embedded default result store: one SQLite file shared by the processes of a host.
+
+Guarantees: a stored result is durable once the call returns (WAL, synchronous=NORMAL:
+it survives a process crash; a power loss may take the last moments). Expired results are
+invisible at once and deleted by the worker's periodic purge. Waiting polls, starting at
+5 ms and backing off to the ``interval`` given to ``get()``.
+"""
 from __future__ import annotations
 
 import os
+import secrets
 import sqlite3
 import time
 from pathlib import Path
+from typing import Any
 
 from .. import sqlitedb
 from ..forksafe import abandon
-from .base import Backend
+from .base import Backend, ChordCompletion, ChordPart
+from .encoding import dumps, loads
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS task_results (
     task_id    TEXT PRIMARY KEY,
@@ -20,7 +29,33 @@ CREATE TABLE IF NOT EXISTS task_results (
 );
 CREATE INDEX IF NOT EXISTS task_results_expiry ON task_results (expires_at)
     WHERE expires_at IS NOT NULL;
+CREATE TABLE IF NOT EXISTS group_results (
+    group_id   TEXT PRIMARY KEY,
+    meta       TEXT NOT NULL,
+    expires_at REAL
+);
+CREATE TABLE IF NOT EXISTS chords (
+    group_id    TEXT PRIMARY KEY,
+    size        INTEGER NOT NULL,
+    claim       TEXT,            -- token of the caller applying the body
+    claim_until REAL,
+    done        INTEGER NOT NULL DEFAULT 0,
+    expires_at  REAL
+);
+CREATE TABLE IF NOT EXISTS chord_parts (
+    group_id TEXT NOT NULL,
+    idx      INTEGER NOT NULL,
+    task_id  TEXT NOT NULL,
+    state    TEXT NOT NULL,
+    result   TEXT NOT NULL,
+    PRIMARY KEY (group_id, idx, task_id)
+);
 """
+#: How long a claim on a completed chord holds before another caller may take over (the
+#: claimer crashed before dispatching the body).
+CHORD_CLAIM_SECONDS = 30.0
+#: A chord whose header never completes is forgotten after this long.
+CHORD_EXPIRES = 86400.0
 
 
 def sqlite_path(url: str) -> Path:
@@ -36,8 +71,8 @@ def sqlite_path(url: str) -> Path:
 class SQLiteBackend(Backend):
     """Results in a WAL-mode SQLite file; expiry enforced on read, purged by the worker."""
 
-    def __init__(self, url: str, *, expires: float | None = None, extended: bool = False) -> None:
-        super().__init__(url, expires=expires, extended=extended)
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__(url, **options)
         self.path = sqlite_path(url)
         self._conn: sqlite3.Connection | None = None
         self._pid = 0
@@ -57,11 +92,21 @@ class SQLiteBackend(Backend):
             self._conn.close()
         self._conn = None
 
+    def on_connection_error(self, exc: BaseException) -> None:
+        """A busy database needs no new connection: just try again."""
+
+    def exception_safe_to_retry(self, exc: BaseException) -> bool:
+        return isinstance(exc, sqlite3.OperationalError) and any(
+            word in str(exc) for word in ("locked", "busy", "disk I/O"))
+
+    def _expiry(self) -> float | None:
+        return time.time() + self.expires if self.expires else None
+
+    # -- task results
     def _set(self, task_id: str, state: str, payload: str) -> None:
-        expires_at = time.time() + self.expires if self.expires else None
         self.conn.execute(
             "INSERT OR REPLACE INTO task_results (task_id, status, meta, expires_at) "
-            "VALUES (?, ?, ?, ?)", (task_id, state, payload, expires_at))
+            "VALUES (?, ?, ?, ?)", (task_id, state, payload, self._expiry()))
 
     def _get(self, task_id: str) -> str | None:
         row = self.conn.execute(
@@ -72,9 +117,87 @@ class SQLiteBackend(Backend):
     def _forget(self, task_id: str) -> None:
         self.conn.execute("DELETE FROM task_results WHERE task_id = ?", (task_id,))
 
+    # -- groups
+    def _set_group(self, group_id: str, payload: str) -> None:
+        self.conn.execute("INSERT OR REPLACE INTO group_results VALUES (?, ?, ?)",
+                          (group_id, payload, self._expiry()))
+
+    def _get_group(self, group_id: str) -> str | None:
+        row = self.conn.execute(
+            "SELECT meta FROM group_results WHERE group_id = ? "
+            "AND (expires_at IS NULL OR expires_at > ?)", (group_id, time.time())).fetchone()
+        return row[0] if row else None
+
+    def _forget_group(self, group_id: str) -> None:
+        self.conn.execute("DELETE FROM group_results WHERE group_id = ?", (group_id,))
+
+    # -- chords
+    def set_chord_size(self, group_id: str, size: int) -> None:
+        self.retrying(f"setting up chord {group_id}", lambda: self.conn.execute(
+            "INSERT OR REPLACE INTO chords (group_id, size, expires_at) VALUES (?, ?, ?)",
+            (group_id, size, time.time() + CHORD_EXPIRES)))
+
+    def chord_part_return(self, group_id: str, task_id: str, index: int | None, state: str,
+                          result: Any) -> ChordCompletion | None:
+        encoded = dumps(self.encode_part(state, result))
+        return self.retrying(f"counting chord {group_id}", lambda: self._part_return(
+            group_id, task_id, -1 if index is None else index, state, encoded))
+
+    def _part_return(self, group_id: str, task_id: str, index: int, state: str,
+                     encoded: str) -> ChordCompletion | None:
+        conn = self.conn
+        conn.execute("BEGIN IMMEDIATE")   # one writer at a time: the count is exact
+        try:
+            chord = conn.execute("SELECT size, claim, claim_until, done FROM chords "
+                                 "WHERE group_id = ?", (group_id,)).fetchone()
+            if chord is None or chord[3]:
+                conn.execute("COMMIT")
+                return None
+            conn.execute("INSERT OR IGNORE INTO chord_parts VALUES (?, ?, ?, ?, ?)",
+                         (group_id, index, task_id, state, encoded))
+            ready = conn.execute("SELECT count(*) FROM chord_parts WHERE group_id = ?",
+                                 (group_id,)).fetchone()[0]
+            size, claim, claim_until = chord[0], chord[1], chord[2]
+            now = time.time()
+            if ready < size or (claim is not None and claim_until > now):
+                conn.execute("COMMIT")
+                return None
+            token = secrets.token_hex(8)
+            conn.execute("UPDATE chords SET claim = ?, claim_until = ? WHERE group_id = ?",
+                         (token, now + CHORD_CLAIM_SECONDS, group_id))
+            rows = conn.execute("SELECT task_id, state, result FROM chord_parts "
+                                "WHERE group_id = ? ORDER BY idx", (group_id,)).fetchall()
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        return ChordCompletion([ChordPart(t, s, loads(r)) for t, s, r in rows], token)
+
+    def chord_finished(self, group_id: str, token: str) -> None:
+        def finish() -> None:
+            conn = self.conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                claimed = conn.execute("UPDATE chords SET done = 1 WHERE group_id = ? AND "
+                                       "claim = ?", (group_id, token)).rowcount
+                if claimed:
+                    conn.execute("DELETE FROM chord_parts WHERE group_id = ?", (group_id,))
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        self.retrying(f"finishing chord {group_id}", finish)
+
+    # -- housekeeping
     def purge_expired(self) -> int:
-        """Delete expired results; returns how many went."""
-        cur = self.conn.execute(
-            "DELETE FROM task_results WHERE expires_at IS NOT NULL AND expires_at <= ?",
-            (time.time(),))
-        return cur.rowcount
+        """Delete expired results, groups and abandoned chords; returns how many results."""
+        now = time.time()
+        conn = self.conn
+        removed = conn.execute("DELETE FROM task_results WHERE expires_at IS NOT NULL AND "
+                               "expires_at <= ?", (now,)).rowcount
+        conn.execute("DELETE FROM group_results WHERE expires_at IS NOT NULL AND expires_at <= ?",
+                     (now,))
+        conn.execute("DELETE FROM chord_parts WHERE group_id IN (SELECT group_id FROM chords "
+                     "WHERE expires_at <= ?)", (now,))
+        conn.execute("DELETE FROM chords WHERE expires_at <= ?", (now,))
+        return removed

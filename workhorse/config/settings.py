@@ -126,6 +126,19 @@ SETTINGS: tuple[Setting, ...] = (
             "Backend class path.", default_doc="sqlite:///<state_dir>/results.sqlite3"),
     Setting("result_expires", "results", t.seconds(positive=False).or_none(), 86400.0,
             "Seconds a stored result is kept (0 or none: forever)."),
+    Setting("result_extended", "results", t.boolean(), False,
+            "Also store the task's name, args, kwargs, worker, retries and queue with its "
+            "result (Celery's result_extended)."),
+    Setting("result_backend_always_retry", "results", t.boolean(), True,
+            "Retry storing and reading results through errors the store calls transient "
+            "(lost connection, busy database), with exponential back-off and jitter."),
+    Setting("result_backend_max_retries", "results", t.integer(0), 20,
+            "How many such retries before giving up (the task's message is then requeued, "
+            "not acked without a result)."),
+    Setting("result_backend_base_sleep_between_retries_ms", "results", t.integer(1), 10,
+            "The first back-off between result store retries, in milliseconds; it doubles."),
+    Setting("result_backend_max_sleep_between_retries_ms", "results", t.integer(1), 10000,
+            "The longest back-off between result store retries, in milliseconds."),
     # [tasks]
     Setting("acks_late", "tasks", t.boolean(), True,
             "Acknowledge a message after its outcome is final and stored (at-least-once); "

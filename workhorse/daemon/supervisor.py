@@ -22,6 +22,7 @@ from kombu.message import Message
 
 from ..exceptions import (
     MalformedMessage,
+    TaskRevokedError,
     NotRegistered,
     TimeLimitExceeded,
     TooManyDeliveries,
@@ -33,7 +34,9 @@ from ..pool.ipc import Done, Hello, Job
 from ..pool.limits import SOFT_LIMIT_SIGNAL, effective_limit
 from ..pool.runtime import ChildRuntime
 from ..pool.spawn import spawn
-from ..protocol import parse_request
+from ..chords import chord_part_return
+from ..protocol import decode_body, parse_request
+from ..states import FAILURE, REVOKED
 from . import systemd
 from .consumer import POLL_INTERVAL, BrokerConsumer
 from .delivery import Delivery, Stage
@@ -51,6 +54,8 @@ HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD
 #: Consecutive crashes of a child slot back off from this delay, doubling, up to the cap.
 CRASH_BACKOFF_START = 0.1
 CRASH_BACKOFF_MAX = 10.0
+#: How often the worker deletes expired results from stores that do not expire them.
+RESULT_PURGE_INTERVAL = 300.0
 #: How often idle children's memory is compared with max_memory_per_child.
 IDLE_MEMORY_CHECK = 2.0
 
@@ -127,6 +132,8 @@ class Supervisor:
                 self._every(POLL_INTERVAL, self._poll_timer)
             if self.settings.max_memory_per_child:
                 self._every(IDLE_MEMORY_CHECK, self._check_idle_memory)
+            if hasattr(self.app.backend, "purge_expired"):
+                self._every(RESULT_PURGE_INTERVAL, self._purge_results)
             watchdog = systemd.watchdog_interval()
             if watchdog:
                 self._every(watchdog, lambda: systemd.notify("WATCHDOG=1"))
@@ -216,11 +223,9 @@ class Supervisor:
             self._settle(delivery, Outcome.UNKNOWN_TASK,
                          f"{NotRegistered(request.task)} (does the worker's app define it?)")
             return
-        now = datetime.now(timezone.utc)
-        if request.expires is not None and request.expires <= now:
-            log.info("%s: expired at %s, not run", delivery.label, request.expires.isoformat())
-            self._settle(delivery, Outcome.EXPIRED, "expired before it started")
+        if self._expired(delivery):
             return
+        now = datetime.now(timezone.utc)
         if request.deliveries >= policy.max_deliveries:
             log.error("%s: started %d times already (max_deliveries=%d); dead-lettered",
                       delivery.label, request.deliveries, policy.max_deliveries)
@@ -375,6 +380,11 @@ class Supervisor:
         if reason or self.phase is not Phase.RUNNING:
             child.stop()
 
+    def _purge_results(self) -> None:
+        removed = self.app.backend.purge_expired()  # type: ignore[attr-defined]
+        if removed:
+            log.info("result store: %d expired results deleted", removed)
+
     def _check_idle_memory(self) -> None:
         """Recycle idle children over max_memory_per_child (a busy one is checked after its
         task: never mid-task)."""
@@ -390,10 +400,21 @@ class Supervisor:
         if not self.buffer or self.phase is not Phase.RUNNING:
             return
         for child in self.children:
+            while self.buffer and child is not None and child.state is ChildState.IDLE:
+                delivery = self.buffer.popleft()
+                if self._expired(delivery):   # it waited (ETA, buffer) past its expiry
+                    continue
+                self._start(child, delivery)
             if not self.buffer:
                 return
-            if child is not None and child.state is ChildState.IDLE:
-                self._start(child, self.buffer.popleft())
+
+    def _expired(self, delivery: Delivery) -> bool:
+        expires = delivery.request.expires
+        if expires is None or expires > datetime.now(timezone.utc):
+            return False
+        log.info("%s: expired at %s, not run", delivery.label, expires.isoformat())
+        self._settle(delivery, Outcome.EXPIRED, "expired before it started")
+        return True
 
     def _reap(self) -> None:
         for child in list(self.children):
@@ -488,6 +509,7 @@ class Supervisor:
         try:
             if decision.store is Store.REVOKED:
                 backend.mark_as_revoked(task_id, detail or "revoked", request=info)
+                self._chord_part(delivery, REVOKED, TaskRevokedError(detail or "revoked"))
                 return
             exc: BaseException = {
                 Store.TIME_LIMIT: lambda: TimeLimitExceeded(detail),
@@ -496,9 +518,26 @@ class Supervisor:
                 Store.TOO_MANY: lambda: TooManyDeliveries(detail),
             }[decision.store]()
             backend.mark_as_failure(task_id, exc, None, request=info)
+            self._chord_part(delivery, FAILURE, exc)
         except Exception:  # noqa: BLE001
             log.exception("%s: could not store its %s result", delivery.label,
                           decision.store.value)
+
+    def _chord_part(self, delivery: Delivery, state: str, result: Any) -> None:
+        """A chord header task that ended here (killed, lost, unknown) still counts toward
+        its chord, or the chord would wait forever. Errbacks are sent, not run here: the
+        supervisor never runs task code."""
+        request = delivery.request
+        if not request.group:
+            return
+        message = delivery.message
+        try:
+            _, _, embed = decode_body(message.body, message.content_type, message.content_encoding)
+        except MalformedMessage:
+            return
+        if embed.get("chord"):
+            chord_part_return(self.app, request.group, request.id, request.group_index, state,
+                              result, embed["chord"], inline_errbacks=False)
 
     # ------------------------------------------------------------------ signals
     def _on_signals(self) -> None:

@@ -5,7 +5,6 @@ is reported, so with acks_late a message is never acked before its result is saf
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 import traceback
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..canvas import signature
+from ..chords import call_errbacks, chord_part_return
 from ..exceptions import (
     Ignore,
     MalformedMessage,
@@ -25,6 +25,7 @@ from ..exceptions import (
 )
 from ..outcome import Outcome
 from ..protocol import decode_body, parse_request
+from ..states import FAILURE, SUCCESS
 from ..retrying import retry_countdown, should_autoretry
 from ..task import Context, Task
 from .ipc import Job
@@ -72,7 +73,7 @@ class TaskExecution:
             headers=job.headers, timelimit=(request.time_limit, request.soft_time_limit),
             called_directly=False, priority=job.priority, queue=job.queue,
             callbacks=embed.get("callbacks"), errbacks=embed.get("errbacks"),
-            chain=embed.get("chain"))
+            chain=embed.get("chain"), chord=embed.get("chord"))
         self.info: dict[str, Any] = {
             "task": job.task, "args": args, "kwargs": kwargs, "hostname": self.hostname,
             "retries": request.retries, "group": request.group, "parent_id": request.parent_id,
@@ -119,6 +120,7 @@ class TaskExecution:
 
     def _succeeded(self, retval: Any, runtime: float) -> Finished:
         if self.store:
+            self.info["children"] = [child.as_tuple() for child in self.context.children]
             try:
                 self.app.backend.mark_as_done(self.context.id, retval, request=self.info)
             except ResultEncodeError as exc:
@@ -126,6 +128,7 @@ class TaskExecution:
                 return self._failed(exc, None, runtime)
         log.info("Task %s succeeded in %.3fs: %.200r", self.label, runtime, retval)
         self._apply_callbacks(retval)
+        self._chord_part(SUCCESS, retval)
         return Finished(Outcome.SUCCEEDED)
 
     def _failed(self, exc: BaseException, tb: str | None, runtime: float) -> Finished:
@@ -134,6 +137,7 @@ class TaskExecution:
         if self.store:
             self._store_failure(exc, tb)
         self._call_errbacks(exc, tb)
+        self._chord_part(FAILURE, exc)
         return Finished(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
 
     def _retried(self, signal: Retry) -> Finished:
@@ -194,30 +198,11 @@ class TaskExecution:
                               data.get("task"))
 
     def _call_errbacks(self, exc: BaseException, tb: str | None) -> None:
-        """Errbacks taking (request, exc, traceback) run here, in this child, as Celery
-        runs them; ones taking a task id are sent as tasks. A failing errback is logged."""
+        call_errbacks(self.app, self.context.errbacks or (), self.context, exc, tb, inline=True)
+
+    def _chord_part(self, state: str, result: Any) -> None:
+        """A chord header task's final outcome counts toward its chord."""
         ctx = self.context
-        for data in ctx.errbacks or ():
-            errback = signature(data, self.app)
-            local = self.app.tasks.get(errback.name)
-            try:
-                if local is not None and _free_positional(local, errback) > 1:
-                    errback(ctx, exc, tb)
-                else:
-                    errback.apply_async((ctx.id,), parent_id=ctx.id, root_id=ctx.root_id)
-            except Exception:  # noqa: BLE001 - an errback never takes the worker down
-                log.exception("Task %s: its errback %s failed", self.label, errback.name)
-
-
-def _free_positional(task: Task, sig: Any) -> int:
-    """How many positional arguments the errback still takes beyond its signature's own."""
-    try:
-        params = list(inspect.signature(task.run).parameters.values())
-    except (TypeError, ValueError):
-        return 0
-    if task.bind:
-        params = params[1:]
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return 1 << 16
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) - len(sig.args)
+        if ctx.chord and ctx.group:
+            chord_part_return(self.app, ctx.group, ctx.id, ctx.group_index, state, result,
+                              ctx.chord, inline_errbacks=True)

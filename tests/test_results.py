@@ -1,0 +1,316 @@
+"""Result stores (SQLite and Redis) and workflows, with real workers: states as stored,
+groups, chords, expiry, caching, and reading each other's results with Celery."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+from workhorse import ChordError, GroupResult, chord, group
+from workhorse.states import FAILURE, PENDING, RETRY, REVOKED, STARTED, SUCCESS
+
+from .conftest import REDIS_URL, ROOT, make_broker, require_service, runs, wait_until
+from .test_delivery import failure, starts
+
+pytestmark = pytest.mark.timeout(180)
+REDIS_RESULTS = REDIS_URL.rsplit("/", 1)[0] + "/1"
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def results_url(request, tmp_path):
+    if request.param == "redis":
+        require_service("Redis", 6379)
+        return REDIS_RESULTS
+    return f"sqlite:///{tmp_path / 'results.sqlite3'}"
+
+
+@pytest.fixture
+def app(client, results_url, monkeypatch):
+    monkeypatch.setenv("WORKHORSE_RESULT_BACKEND", results_url)
+    client.configure()
+    return client
+
+
+def sqlite_broker(request):
+    return pytest.mark.parametrize("broker", ["sqlite"], indirect=True)(request)
+
+
+# ---------------------------------------------------------------- states as stored
+@sqlite_broker
+def test_states_as_stored(broker, app, results_url, start_worker):
+    from tests.apps.basic import fail, flaky, record
+    start_worker(broker, result_backend=results_url, track_started=True)
+    slow = record.delay(1.0)
+    wait_until(lambda: slow.state == STARTED, 20, "STARTED")
+    assert slow.get(timeout=20) == slow.id and slow.state == SUCCESS
+    meta = app.backend.get_task_meta(slow.id)
+    assert meta["date_done"] and meta["task_id"] == slow.id
+    retried = flaky.delay(1, 1.0)
+    wait_until(lambda: retried.state == RETRY, 20, "RETRY")
+    assert retried.get(timeout=20) == "ok after 1 retries"
+    failed = fail.delay("no")
+    assert isinstance(failure(failed), ValueError) and failed.state == FAILURE
+    expired = record.apply_async(countdown=0.5, expires=0.1)
+    wait_until(lambda: expired.state == REVOKED, 20, "REVOKED")
+
+
+@sqlite_broker
+def test_forget_and_expiry(broker, app, results_url, start_worker, monkeypatch):
+    from tests.apps.basic import add
+    start_worker(broker, result_backend=results_url, result_expires=1)
+    result = add.delay(1, 1)
+    assert result.get(timeout=20) == 2
+    result.forget()
+    assert app.AsyncResult(result.id).state == PENDING
+    short = add.delay(2, 2)
+    assert short.get(timeout=20) == 4
+    wait_until(lambda: app.backend.get_task_meta(short.id)["status"] == PENDING, 5,
+               "expiry after 1 s")
+    if results_url.startswith("sqlite"):
+        assert app.backend.purge_expired() >= 1
+
+
+@sqlite_broker
+def test_redis_results_carry_a_ttl(broker, client, start_worker, monkeypatch):
+    require_service("Redis", 6379)
+    monkeypatch.setenv("WORKHORSE_RESULT_BACKEND", REDIS_RESULTS)
+    client.configure()
+    from tests.apps.basic import add
+    start_worker(broker, result_backend=REDIS_RESULTS, result_expires=100)
+    result = add.delay(1, 2)
+    assert result.get(timeout=20) == 3
+    ttl = redis.Redis.from_url(REDIS_RESULTS).ttl(f"celery-task-meta-{result.id}")
+    assert 0 < ttl <= 100
+
+
+@sqlite_broker
+def test_ready_results_are_cached(broker, app):
+    app.backend.mark_as_done("cached-1", 42)
+    assert app.AsyncResult("cached-1").result == 42
+    app.backend._forget("cached-1")          # gone from the store, not from the cache
+    assert app.AsyncResult("cached-1").get(timeout=1) == 42
+    app.AsyncResult("cached-1").forget()
+    assert app.AsyncResult("cached-1").state == PENDING
+
+
+@sqlite_broker
+def test_result_extended_stores_the_request(broker, app, monkeypatch):
+    monkeypatch.setenv("WORKHORSE_RESULT_EXTENDED", "true")
+    app.configure()
+    app.backend.mark_as_done("ext-1", 1, request={
+        "task": "t.x", "args": [1], "kwargs": {}, "hostname": "w", "retries": 0,
+        "delivery_info": {"routing_key": "q"}})
+    meta = app.backend.get_task_meta("ext-1")
+    assert (meta["name"], meta["args"], meta["worker"], meta["queue"]) == ("t.x", [1], "w", "q")
+
+
+# ---------------------------------------------------------------- client objects
+@sqlite_broker
+def test_get_inside_a_task_raises_instead_of_deadlocking(broker, app, results_url, start_worker):
+    from tests.apps.basic import get_inside
+    start_worker(broker, result_backend=results_url, concurrency=1)
+    exc = failure(get_inside.delay())
+    assert isinstance(exc, RuntimeError) and "Never call result.get() within a task" in str(exc)
+
+
+@sqlite_broker
+def test_children_and_parents(broker, app, results_url, start_worker):
+    from tests.apps.basic import add, spawn_children
+    start_worker(broker, result_backend=results_url)
+    parent = spawn_children.delay(3)
+    child_ids = parent.get(timeout=20)
+    assert [c.id for c in parent.children] == child_ids
+    assert [c.get(timeout=20) for c in parent.children] == [0, 2, 4]
+    last = (add.s(1, 1) | add.s(1)).apply_async()
+    assert last.get(timeout=20) == 3 and last.parent.get(timeout=20) == 2
+
+
+@sqlite_broker
+def test_group_result(broker, app, results_url, start_worker):
+    from tests.apps.basic import add, fail
+    start_worker(broker, result_backend=results_url)
+    result = group(add.s(i, i) for i in range(5)).apply_async()
+    assert isinstance(result, GroupResult)
+    assert result.join(timeout=20) == [0, 2, 4, 6, 8]
+    assert result.ready() and result.successful() and result.completed_count() == 5
+    result.save()
+    restored = GroupResult.restore(result.id, app=app)
+    assert restored is not None and [r.id for r in restored] == [r.id for r in result]
+    assert restored.get(timeout=5) == [0, 2, 4, 6, 8]
+    mixed = group(add.s(1, 1), fail.s("x")).apply_async()
+    with pytest.raises(ValueError):
+        mixed.join(timeout=20)
+    wait_until(mixed.ready, 20, "both done")
+    assert mixed.failed() and not mixed.successful() and mixed.completed_count() == 1
+    assert mixed.join(timeout=5, propagate=False)[0] == 2
+
+
+# ---------------------------------------------------------------- chords
+def test_chord_with_100_header_tasks_runs_its_body_once(broker, app, results_url, start_worker,
+                                                        tmp_path):
+    from tests.apps.basic import add, collect
+    start_worker(broker, result_backend=results_url, concurrency=2)
+    result = chord([add.s(i, 0) for i in range(100)], collect.s()).apply_async()
+    assert result.get(timeout=120) == list(range(100))        # in header order
+    wait_until(lambda: len(runs(tmp_path)) >= 1, 5, "the body's run")
+    assert starts(tmp_path, result.id) == 1
+    assert isinstance(result.parent, GroupResult) and len(result.parent) == 100
+
+
+@sqlite_broker
+def test_a_failing_header_task_fails_the_chord_and_calls_the_body_errbacks(
+        broker, app, results_url, start_worker, tmp_path):
+    from tests.apps.basic import add, collect, errback_new, fail
+    start_worker(broker, result_backend=results_url)
+    body = collect.s().on_error(errback_new.s())
+    result = chord([add.s(1, 1), fail.s("header"), add.s(2, 2)], body).apply_async()
+    exc = failure(result)
+    assert type(exc).__name__ == ChordError.__name__ and "header" in str(exc)
+    assert starts(tmp_path, result.id) == 0
+    path = tmp_path / "grandchild.pid.errback"
+    wait_until(lambda: path.exists(), 20, "the chord body's errback")
+    assert path.read_text().split()[0] == result.id
+
+
+@sqlite_broker
+def test_a_killed_header_task_still_completes_the_chord(broker, app, results_url, start_worker,
+                                                        tmp_path):
+    from tests.apps.basic import add, collect, die
+    start_worker(broker, result_backend=results_url, reject_on_worker_lost=False)
+    result = chord([add.s(1, 1), die.s()], collect.s()).apply_async()
+    exc = failure(result)
+    assert type(exc).__name__ == ChordError.__name__ and "WorkerLostError" in str(exc)
+
+
+def test_celery_sent_chord_completes_on_a_workhorse_worker(tmp_path, start_worker):
+    require_service("Redis", 6379)
+    celery = pytest.importorskip("celery")
+    broker = make_broker("redis", tmp_path)
+    start_worker(broker, result_backend=REDIS_RESULTS)
+    capp = celery.Celery("chord-client", broker=broker.url, backend=REDIS_RESULTS)
+    capp.conf.task_default_queue = broker.queue
+    try:
+        header = [capp.signature("tests.apps.basic.add", args=(i, 1)) for i in range(10)]
+        body = capp.signature("tests.apps.basic.collect")
+        result = celery.chord(header)(body)
+        assert result.get(timeout=60) == [i + 1 for i in range(10)]
+    finally:
+        capp.close()
+        broker.cleanup()
+
+
+# ---------------------------------------------------------------- Celery's worker, our client
+def test_workhorse_reads_a_celery_workers_results(tmp_path, monkeypatch):
+    require_service("Redis", 6379)
+    pytest.importorskip("celery")
+    broker = make_broker("redis", tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKHORSE_")}
+    env.update(PYTHONPATH=str(ROOT), WH_CELERY_BROKER=broker.url, WH_CELERY_BACKEND=REDIS_RESULTS,
+               WH_CELERY_QUEUE=broker.queue)
+    log = open(tmp_path / "celery.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tests.apps.celery_tasks",
+                             "worker", "-c", "1", "-P", "solo", "--without-gossip",
+                             "--without-mingle", "--without-heartbeat", "-l", "INFO"],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        monkeypatch.setenv("WORKHORSE_BROKER_URL", broker.url)
+        monkeypatch.setenv("WORKHORSE_RESULT_BACKEND", REDIS_RESULTS)
+        monkeypatch.setenv("WORKHORSE_STATE_DIR", str(tmp_path / "state"))
+        from tests.apps import basic
+        basic.app.configure()
+        ok = basic.app.send_task("celery_tasks.add", (20, 22), queue=broker.queue)
+        bad = basic.app.send_task("celery_tasks.fail", ("celery says no",), queue=broker.queue)
+        assert ok.get(timeout=60) == 42
+        with pytest.raises(ValueError) as raised:
+            bad.get(timeout=30)
+        assert raised.value.args == ("celery says no",) and "ValueError" in bad.traceback
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        log.close()
+        basic.app.close()
+        broker.cleanup()
+
+
+# ---------------------------------------------------------------- Redis specifics
+def test_waiting_on_redis_does_not_poll(tmp_path, start_worker, monkeypatch):
+    require_service("Redis", 6379)
+    broker = make_broker("sqlite", tmp_path)
+    monkeypatch.setenv("WORKHORSE_BROKER_URL", broker.url)
+    monkeypatch.setenv("WORKHORSE_RESULT_BACKEND", REDIS_RESULTS)
+    monkeypatch.setenv("WORKHORSE_QUEUES", broker.queue)
+    monkeypatch.setenv("WORKHORSE_STATE_DIR", str(tmp_path / "state"))
+    from tests.apps import basic
+    basic.app.configure()
+    start_worker(broker, result_backend=REDIS_RESULTS)
+    server = redis.Redis.from_url(REDIS_RESULTS)
+
+    def gets() -> int:
+        return int(server.info("commandstats").get("cmdstat_get", {}).get("calls", 0))
+    result = basic.record.delay(2.0)
+    before = gets()
+    assert result.get(timeout=20, interval=0.05) == result.id
+    assert gets() - before <= 2          # one GET, then the publish; no polling loop
+    basic.app.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_redis(port: int, directory) -> subprocess.Popen:
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                             "--dir", str(directory), "--appendonly", "yes",
+                             "--appendfsync", "always", "--save", ""],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    wait_until(lambda: _pings(client), 10, f"redis on {port}")
+    return proc
+
+
+def _pings(client) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def test_a_redis_outage_mid_run_delays_results_and_loses_none(tmp_path, start_worker,
+                                                              monkeypatch):
+    """The result store goes away for a moment while tasks finish: results arrive late."""
+    port = _free_port()
+    data = tmp_path / "redis-data"
+    data.mkdir()
+    store = _start_redis(port, data)
+    url = f"redis://127.0.0.1:{port}/0"
+    broker = make_broker("sqlite", tmp_path)
+    try:
+        monkeypatch.setenv("WORKHORSE_BROKER_URL", broker.url)
+        monkeypatch.setenv("WORKHORSE_RESULT_BACKEND", url)
+        monkeypatch.setenv("WORKHORSE_QUEUES", broker.queue)
+        monkeypatch.setenv("WORKHORSE_STATE_DIR", str(tmp_path / "state"))
+        from tests.apps import basic
+        basic.app.configure()
+        worker = start_worker(broker, result_backend=url, concurrency=2)
+        results = [basic.record.delay(0.1) for _ in range(20)]
+        wait_until(lambda: len(runs(tmp_path)) >= 4, 20, "some tasks to run")
+        store.send_signal(signal.SIGKILL)
+        store.wait(10)
+        wait_until(lambda: "result store: storing" in worker.log(), 20,
+                   "a store that fails and is retried")
+        store = _start_redis(port, data)
+        assert [r.get(timeout=60) for r in results] == [r.id for r in results]
+        assert broker.queue_size() == 0
+    finally:
+        store.kill()
+        store.wait(10)
+        basic.app.close()
