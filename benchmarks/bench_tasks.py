@@ -25,7 +25,9 @@ def _count() -> None:
 app = App("bench")
 celery_app = Celery("bench")
 celery_app.conf.update(
-    broker_url=os.environ.get("CELERY_BROKER_URL"), result_backend=None, task_ignore_result=True,
+    broker_url=os.environ.get("CELERY_BROKER_URL"),
+    result_backend=os.environ.get("BENCH_RESULTS"),       # throughput runs store none
+    task_ignore_result=not os.environ.get("BENCH_RESULTS"),
     task_acks_late=True, worker_prefetch_multiplier=4, broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False)
 
@@ -50,3 +52,11 @@ def hold(seconds: float) -> None:
     with open(os.environ["BENCH_STARTS"], "a") as f:
         f.write(f"{time.time()}\n")
     time.sleep(seconds)
+
+
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+app.task(name="bench.add")(add)
+celery_app.task(name="bench.add")(add)
