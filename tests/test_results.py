@@ -314,3 +314,39 @@ def test_a_redis_outage_mid_run_delays_results_and_loses_none(tmp_path, start_wo
         store.kill()
         store.wait(10)
         basic.app.close()
+
+
+def test_the_supervisor_retries_its_own_result_writes_from_its_loop(tmp_path, start_worker,
+                                                                     monkeypatch):
+    """A REVOKED the supervisor writes while the store is down: the message is held, the
+    loop keeps answering signals, and the result and the ack follow once the store is back."""
+    port = _free_port()
+    data = tmp_path / "redis-data"
+    data.mkdir()
+    store = _start_redis(port, data)
+    url = f"redis://127.0.0.1:{port}/0"
+    broker = make_broker("sqlite", tmp_path)
+    try:
+        monkeypatch.setenv("WORKHORSE_BROKER_URL", broker.url)
+        monkeypatch.setenv("WORKHORSE_RESULT_BACKEND", url)
+        monkeypatch.setenv("WORKHORSE_QUEUES", broker.queue)
+        monkeypatch.setenv("WORKHORSE_STATE_DIR", str(tmp_path / "state"))
+        from tests.apps import basic
+        basic.app.configure()
+        worker = start_worker(broker, result_backend=url, concurrency=1,
+                              result_backend_max_sleep_between_retries_ms=300)
+        store.send_signal(signal.SIGKILL)
+        store.wait(10)
+        expired = basic.record.apply_async(countdown=0.3, expires=0.1)
+        worker.wait_for_log(r"storing its revoked result failed .* the message held", 20)
+        worker.signal(signal.SIGUSR1)
+        worker.wait_for_log(r"state: .* storing=1", 5)     # the loop is not asleep
+        store = _start_redis(port, data)
+        wait_until(lambda: expired.state == REVOKED, 30, "REVOKED once the store is back")
+        assert runs(tmp_path) == []
+        assert worker.stop() == 0
+        assert broker.queue_size() == 0                    # acked, not released
+    finally:
+        store.kill()
+        store.wait(10)
+        basic.app.close()

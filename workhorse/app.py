@@ -114,11 +114,7 @@ class App:
             s = self.settings
             self._backend = backend_from_url(
                 s.result_backend, expires=s.result_expires, extended=s.result_extended,
-                retry=RetryPolicy(
-                    always_retry=s.result_backend_always_retry,
-                    max_retries=s.result_backend_max_retries,
-                    base_sleep=s.result_backend_base_sleep_between_retries_ms / 1000,
-                    max_sleep=s.result_backend_max_sleep_between_retries_ms / 1000))
+                retry=result_retry_policy(s))
         return self._backend
 
     def AsyncResult(self, task_id: str) -> AsyncResult:  # noqa: N802 - Celery's name
@@ -233,6 +229,15 @@ class App:
 
     def __repr__(self) -> str:
         return f"<workhorse.App {self.main or '__main__'} tasks={len(self.tasks)}>"
+
+
+def result_retry_policy(settings: Settings) -> RetryPolicy:
+    """The result_backend_* retry settings as a policy."""
+    return RetryPolicy(
+        always_retry=settings.result_backend_always_retry,
+        max_retries=settings.result_backend_max_retries,
+        base_sleep=settings.result_backend_base_sleep_between_retries_ms / 1000,
+        max_sleep=settings.result_backend_max_sleep_between_retries_ms / 1000)
 
 
 def _signatures(value: Signature | Sequence[Signature] | None) -> list[dict[str, Any]] | None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from kombu.message import Message
 
-from ..outcome import Policy
+from ..outcome import Decision, Outcome, Policy
 from ..protocol import Request
 
 
@@ -15,6 +15,7 @@ class Stage(str, enum.Enum):
     BUFFERED = "buffered"      # waiting for an idle child
     SCHEDULED = "scheduled"    # waiting for its ETA
     RUNNING = "running"        # a child runs it
+    STORING = "storing"        # over; settled once the supervisor has stored its result
     SETTLED = "settled"
 
 
@@ -30,7 +31,9 @@ class Delivery:
     acked: bool = False        # acked at start (acks_late = false)
     started: bool = False
     deliveries: int = 0        # starts counted, including this one once started
-    timer: Any = field(default=None, repr=False)   # its ETA timer while SCHEDULED
+    timer: Any = field(default=None, repr=False)   # its ETA (or store retry) timer
+    #: While STORING: how it ends, carried out once its result is stored.
+    settlement: tuple[Outcome, Decision, str | None] | None = field(default=None, repr=False)
 
     @property
     def label(self) -> str:

@@ -34,6 +34,8 @@ from ..pool.ipc import Done, Hello, Job
 from ..pool.limits import SOFT_LIMIT_SIGNAL, effective_limit
 from ..pool.runtime import ChildRuntime
 from ..pool.spawn import spawn
+from ..app import result_retry_policy
+from ..backends import RetryPolicy
 from ..chords import chord_part_return
 from ..protocol import decode_body, parse_request
 from ..states import FAILURE, REVOKED
@@ -81,6 +83,8 @@ class Supervisor:
         self.children: list[Child | None] = [None] * self.concurrency
         self.buffer: deque[Delivery] = deque()
         self.scheduled: set[Delivery] = set()
+        self.storing: set[Delivery] = set()   # over; waiting to store their result
+        self.store_retry = result_retry_policy(settings)
         self.phase = Phase.STARTING
         self.exit_code = 0
         self._seq = itertools.count(1)
@@ -109,18 +113,25 @@ class Supervisor:
         """Tell the broker how many unacknowledged messages it may have out with us.
 
         The broker counts what we have not acked: buffered, scheduled, and running tasks
-        not acked at start. For buffered + running <= window, that is the window plus the
-        scheduled, minus the running ones already acked (acks_late = false).
+        not acked at start, and finished ones whose result is still being stored. For
+        buffered + running <= window, that is the window plus the scheduled and the
+        unacked storing, minus the running ones already acked (acks_late = false).
         """
         acked_running = sum(1 for c in self.children
                             if c is not None and c.busy and c.job.acked)
-        self.consumer.set_credit(self.window + len(self.scheduled) - acked_running)
+        unacked_storing = sum(1 for d in self.storing if not d.acked)
+        self.consumer.set_credit(self.window + len(self.scheduled) + unacked_storing
+                                 - acked_running)
 
     def run(self) -> int:
         """Run until shut down; return the process exit status."""
         self._baseline_fds = _open_fds()
         self.signals.install()
         self.loop.add_reader(self.signals.read_fd, self._on_signals)
+        # One attempt per call: transient store errors are retried from loop timers
+        # (_store_then_settle), never by sleeping in the loop. Children get their own
+        # backend after fork, with the configured retries.
+        self.app.backend.retry_policy = RetryPolicy(always_retry=False)
         try:
             self.consumer.connect(prefetch_count=self.window, has_room=self.has_room)
             self._log_banner()
@@ -469,11 +480,55 @@ class Supervisor:
 
     # ------------------------------------------------------------------ settling
     def _settle(self, delivery: Delivery, outcome: Outcome, detail: str | None) -> None:
-        """Carry out the Outcomes table for ``delivery``; never lets an error escape."""
+        """Carry out the Outcomes table for ``delivery``: store what only the supervisor
+        can store, then ack, requeue or dead-letter. Never lets an error escape."""
         decision = decide(outcome, delivery.policy, started=delivery.started,
                           deliveries=delivery.deliveries)
+        self._store_then_settle(delivery, outcome, decision, detail, 0)
+
+    def _store_then_settle(self, delivery: Delivery, outcome: Outcome, decision: Decision,
+                           detail: str | None, attempt: int) -> None:
+        """Store, then settle. The supervisor never sleeps: its backend makes one attempt,
+        and a transient error is retried from a loop timer with the configured back-off,
+        the message held (not acked) meanwhile."""
+        self.storing.discard(delivery)
+        delivery.timer = None
+        try:
+            self._store(delivery, decision, detail)
+        except Exception as exc:  # noqa: BLE001 - the store's trouble, not ours
+            backend, policy = self.app.backend, self.store_retry
+            if (policy.always_retry and attempt < policy.max_retries
+                    and backend.exception_safe_to_retry(exc)):
+                delay = policy.delay(attempt)
+                log.warning("%s: result store: storing its %s result failed (%r); retry %d "
+                            "of %d in %.2f s, the message held until then", delivery.label,
+                            decision.store.value, exc, attempt + 1, policy.max_retries, delay)
+                backend.on_connection_error(exc)
+                delivery.stage = Stage.STORING
+                delivery.settlement = (outcome, decision, detail)
+                self.storing.add(delivery)
+                delivery.timer = self.loop.call_later(delay, lambda: self._store_then_settle(
+                    delivery, outcome, decision, detail, attempt + 1))
+                self._update_flow()
+                return
+            log.error("%s: could not store its %s result (%r)", delivery.label,
+                      decision.store.value, exc)
+            decision = self._without_result(delivery, decision)
+        self._carry_out(delivery, outcome, decision, detail)
+
+    def _without_result(self, delivery: Delivery, decision: Decision) -> Decision:
+        """The result could not be stored: never ack it away without one. Dead letters keep
+        the message anyway; an ack becomes a requeue (counted if it started)."""
+        if decision.action is not Action.ACK or delivery.acked:
+            return decision
+        if not delivery.started:
+            return Decision(Action.REQUEUE)
+        return decide(Outcome.STORE_FAILED, delivery.policy, started=True,
+                      deliveries=delivery.deliveries)
+
+    def _carry_out(self, delivery: Delivery, outcome: Outcome, decision: Decision,
+                   detail: str | None) -> None:
         delivery.stage = Stage.SETTLED
-        self._store(delivery, decision, detail)
         message, queue = delivery.message, delivery.queue
         try:
             if decision.action is Action.ACK and not delivery.acked:
@@ -506,22 +561,18 @@ class Supervisor:
                 "parent_id": delivery.request.parent_id,
                 "delivery_info": dict(delivery.message.delivery_info or {})}
         backend = self.app.backend
-        try:
-            if decision.store is Store.REVOKED:
-                backend.mark_as_revoked(task_id, detail or "revoked", request=info)
-                self._chord_part(delivery, REVOKED, TaskRevokedError(detail or "revoked"))
-                return
-            exc: BaseException = {
-                Store.TIME_LIMIT: lambda: TimeLimitExceeded(detail),
-                Store.WORKER_LOST: lambda: WorkerLostError(detail),
-                Store.NOT_REGISTERED: lambda: NotRegistered(delivery.request.task),
-                Store.TOO_MANY: lambda: TooManyDeliveries(detail),
-            }[decision.store]()
-            backend.mark_as_failure(task_id, exc, None, request=info)
-            self._chord_part(delivery, FAILURE, exc)
-        except Exception:  # noqa: BLE001
-            log.exception("%s: could not store its %s result", delivery.label,
-                          decision.store.value)
+        if decision.store is Store.REVOKED:
+            backend.mark_as_revoked(task_id, detail or "revoked", request=info)
+            self._chord_part(delivery, REVOKED, TaskRevokedError(detail or "revoked"))
+            return
+        exc: BaseException = {
+            Store.TIME_LIMIT: lambda: TimeLimitExceeded(detail),
+            Store.WORKER_LOST: lambda: WorkerLostError(detail),
+            Store.NOT_REGISTERED: lambda: NotRegistered(delivery.request.task),
+            Store.TOO_MANY: lambda: TooManyDeliveries(detail),
+        }[decision.store]()
+        backend.mark_as_failure(task_id, exc, None, request=info)
+        self._chord_part(delivery, FAILURE, exc)
 
     def _chord_part(self, delivery: Delivery, state: str, result: Any) -> None:
         """A chord header task that ended here (killed, lost, unknown) still counts toward
@@ -563,9 +614,9 @@ class Supervisor:
         self.cold_shutdown("SIGQUIT")
 
     def handle_usr1(self) -> None:
-        log.warning("state: phase=%s held=%d/%d buffered=%d scheduled=%d running=%d",
-                    self.phase.value, self.held, self.window, len(self.buffer),
-                    len(self.scheduled), self.running)
+        log.warning("state: phase=%s held=%d/%d buffered=%d scheduled=%d running=%d "
+                    "storing=%d", self.phase.value, self.held, self.window, len(self.buffer),
+                    len(self.scheduled), self.running, len(self.storing))
         for child in self.children:
             if child is not None:
                 job = child.job.label if child.job is not None else "-"
@@ -626,7 +677,21 @@ class Supervisor:
         if self.phase not in (Phase.WARM, Phase.COLD):
             return
         if all(c is None or c.state is ChildState.EXITED for c in self.children):
+            if self.storing and self.phase is Phase.WARM:
+                return      # still retrying their results, until graceful_timeout
+            self._give_up_storing()
             self.phase = Phase.STOPPED
+
+    def _give_up_storing(self) -> None:
+        """Stopping with results still unstored: settle those messages without them."""
+        for delivery in sorted(self.storing, key=lambda d: d.seq):
+            if delivery.timer is not None:
+                delivery.timer.cancel()
+            log.error("%s: stopping before its result could be stored", delivery.label)
+            assert delivery.settlement is not None
+            outcome, decision, detail = delivery.settlement
+            self._carry_out(delivery, outcome, self._without_result(delivery, decision), detail)
+        self.storing.clear()
 
 
 def _open_fds() -> set[int]:
