@@ -108,6 +108,52 @@ class BrokerEnv:
             pass
 
 
+class RedisServer:
+    """A Redis of the test's own on a free port (append-only, fsync always), to stop and
+    start again: a broker or result store outage without touching the shared server."""
+
+    def __init__(self, directory: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.directory = directory
+        directory.mkdir(exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def start(self) -> None:
+        import redis
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+             "--dir", str(self.directory), "--appendonly", "yes", "--appendfsync", "always",
+             "--save", ""], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+
+        def pings() -> bool:
+            try:
+                return bool(client.ping())
+            except redis.RedisError:
+                return False
+        wait_until(pings, 10, f"redis on port {self.port}")
+        client.close()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    require_service("Redis", 6379)     # the same redis-server binary
+    server = RedisServer(tmp_path / "redis-data")
+    yield server
+    server.kill()
+
+
 def make_broker(kind: str, tmp_path: Path) -> BrokerEnv:
     queue = f"t-{uuid.uuid4().hex[:10]}"
     if kind == "sqlite":

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import redis
@@ -261,92 +259,49 @@ def test_waiting_on_redis_does_not_poll(tmp_path, start_worker, monkeypatch):
     basic.app.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_redis(port: int, directory) -> subprocess.Popen:
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                             "--dir", str(directory), "--appendonly", "yes",
-                             "--appendfsync", "always", "--save", ""],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    wait_until(lambda: _pings(client), 10, f"redis on {port}")
-    return proc
-
-
-def _pings(client) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-
-
-def test_a_redis_outage_mid_run_delays_results_and_loses_none(tmp_path, start_worker,
-                                                              monkeypatch):
-    """The result store goes away for a moment while tasks finish: results arrive late."""
-    port = _free_port()
-    data = tmp_path / "redis-data"
-    data.mkdir()
-    store = _start_redis(port, data)
-    url = f"redis://127.0.0.1:{port}/0"
+@pytest.fixture
+def outage(tmp_path, private_redis, monkeypatch):
+    """The test app on a SQLite broker with its results in a Redis the test can stop."""
     broker = make_broker("sqlite", tmp_path)
-    try:
-        monkeypatch.setenv("WORKHORSE_BROKER_URL", broker.url)
-        monkeypatch.setenv("WORKHORSE_RESULT_BACKEND", url)
-        monkeypatch.setenv("WORKHORSE_QUEUES", broker.queue)
-        monkeypatch.setenv("WORKHORSE_STATE_DIR", str(tmp_path / "state"))
-        from tests.apps import basic
-        basic.app.configure()
-        worker = start_worker(broker, result_backend=url, concurrency=2)
-        results = [basic.record.delay(0.1) for _ in range(20)]
-        wait_until(lambda: len(runs(tmp_path)) >= 4, 20, "some tasks to run")
-        store.send_signal(signal.SIGKILL)
-        store.wait(10)
-        wait_until(lambda: "result store: storing" in worker.log(), 20,
-                   "a store that fails and is retried")
-        store = _start_redis(port, data)
-        assert [r.get(timeout=60) for r in results] == [r.id for r in results]
-        assert broker.queue_size() == 0
-    finally:
-        store.kill()
-        store.wait(10)
-        basic.app.close()
+    monkeypatch.setenv("WORKHORSE_BROKER_URL", broker.url)
+    monkeypatch.setenv("WORKHORSE_RESULT_BACKEND", private_redis.url())
+    monkeypatch.setenv("WORKHORSE_QUEUES", broker.queue)
+    monkeypatch.setenv("WORKHORSE_STATE_DIR", str(tmp_path / "state"))
+    from tests.apps import basic
+    basic.app.configure()
+    yield broker, basic
+    basic.app.close()
+
+
+def test_a_redis_outage_mid_run_delays_results_and_loses_none(tmp_path, start_worker, outage,
+                                                              private_redis):
+    """The result store goes away for a moment while tasks finish: results arrive late."""
+    broker, basic = outage
+    worker = start_worker(broker, result_backend=private_redis.url(), concurrency=2)
+    results = [basic.record.delay(0.1) for _ in range(20)]
+    wait_until(lambda: len(runs(tmp_path)) >= 4, 20, "some tasks to run")
+    private_redis.kill()
+    wait_until(lambda: "result store: storing" in worker.log(), 20,
+               "a store that fails and is retried")
+    private_redis.start()
+    assert [r.get(timeout=60) for r in results] == [r.id for r in results]
+    assert broker.queue_size() == 0
 
 
 def test_the_supervisor_retries_its_own_result_writes_from_its_loop(tmp_path, start_worker,
-                                                                     monkeypatch):
+                                                                     outage, private_redis):
     """A REVOKED the supervisor writes while the store is down: the message is held, the
     loop keeps answering signals, and the result and the ack follow once the store is back."""
-    port = _free_port()
-    data = tmp_path / "redis-data"
-    data.mkdir()
-    store = _start_redis(port, data)
-    url = f"redis://127.0.0.1:{port}/0"
-    broker = make_broker("sqlite", tmp_path)
-    try:
-        monkeypatch.setenv("WORKHORSE_BROKER_URL", broker.url)
-        monkeypatch.setenv("WORKHORSE_RESULT_BACKEND", url)
-        monkeypatch.setenv("WORKHORSE_QUEUES", broker.queue)
-        monkeypatch.setenv("WORKHORSE_STATE_DIR", str(tmp_path / "state"))
-        from tests.apps import basic
-        basic.app.configure()
-        worker = start_worker(broker, result_backend=url, concurrency=1,
-                              result_backend_max_sleep_between_retries_ms=300)
-        store.send_signal(signal.SIGKILL)
-        store.wait(10)
-        expired = basic.record.apply_async(countdown=0.3, expires=0.1)
-        worker.wait_for_log(r"storing its revoked result failed .* the message held", 20)
-        worker.signal(signal.SIGUSR1)
-        worker.wait_for_log(r"state: .* storing=1", 5)     # the loop is not asleep
-        store = _start_redis(port, data)
-        wait_until(lambda: expired.state == REVOKED, 30, "REVOKED once the store is back")
-        assert runs(tmp_path) == []
-        assert worker.stop() == 0
-        assert broker.queue_size() == 0                    # acked, not released
-    finally:
-        store.kill()
-        store.wait(10)
-        basic.app.close()
+    broker, basic = outage
+    worker = start_worker(broker, result_backend=private_redis.url(), concurrency=1,
+                          result_backend_max_sleep_between_retries_ms=300)
+    private_redis.kill()
+    expired = basic.record.apply_async(countdown=0.3, expires=0.1)
+    worker.wait_for_log(r"storing its revoked result failed .* the message held", 20)
+    worker.signal(signal.SIGUSR1)
+    worker.wait_for_log(r"state: .* storing=1", 5)     # the loop is not asleep
+    private_redis.start()
+    wait_until(lambda: expired.state == REVOKED, 30, "REVOKED once the store is back")
+    assert runs(tmp_path) == []
+    assert worker.stop() == 0
+    assert broker.queue_size() == 0                    # acked, not released
