@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Backend, ChordCompletion, ChordPart, DisabledBackend, RetryPolicy
+from .base import Backend, ChordCompletion, ChordPart, Claim, DisabledBackend, RetryPolicy
 from .encoding import decode_exception, encode_exception
 
-__all__ = ["Backend", "ChordCompletion", "ChordPart", "DisabledBackend", "RetryPolicy",
+__all__ = ["Backend", "ChordCompletion", "ChordPart", "Claim", "DisabledBackend", "RetryPolicy",
            "backend_from_url", "decode_exception", "encode_exception"]
 
 

@@ -1,6 +1,7 @@
 """The result store interface every backend implements."""
 from __future__ import annotations
 
+import enum
 import logging
 import random
 import time
@@ -52,6 +53,27 @@ class ChordCompletion:
 
     parts: list[ChordPart]    # in header order
     token: str                # pass to chord_finished() once the body is dispatched
+
+
+class Claim(str, enum.Enum):
+    """What :meth:`Backend.claim` found for a key."""
+
+    CLAIMED = "claimed"   # the caller now holds the claim (or already held it)
+    HELD = "held"         # another owner holds a live claim: do not run now
+    DONE = "done"         # the key finished successfully before: never run again
+
+
+#: Stored in place of an owner once a key is done, so no owner may be called that.
+CLAIM_DONE = "done"
+
+
+def check_claim(owner: str, ttl: float) -> None:
+    """Refuse an owner or ttl that the stores could not tell apart from a done or free key."""
+    if not owner or owner == CLAIM_DONE:
+        raise ValueError(f"claim owner {owner!r} is reserved: use a unique non-empty string "
+                         "such as the delivery's task id and worker name")
+    if not ttl > 0:
+        raise ValueError(f"claim ttl ({ttl}) must be a positive number of seconds")
 
 
 class Backend(ABC):
@@ -205,6 +227,52 @@ class Backend(ABC):
         """The body is dispatched: drop the chord's state, remember it is done."""
         raise NotImplementedError(f"{type(self).__name__} does not support chords")
 
+    # -- claims: at most one live run of an idempotent task's key, and none after a success.
+    # Each call is idempotent for its owner (a re-claim by the same owner is CLAIMED), so
+    # retrying one whose reply was lost with the connection is safe.
+    def claim(self, key: str, owner: str, ttl: float) -> Claim:
+        """Atomically take ``key`` for ``owner`` for ``ttl`` seconds: CLAIMED if it was free,
+        expired or already ``owner``'s (its expiry is pushed on), HELD if another owner's
+        claim is live, DONE if the key finished successfully."""
+        check_claim(owner, ttl)
+        return self.retrying(f"claiming {key}", lambda: self._claim(key, owner, ttl))
+
+    def renew_claims(self, claims: Mapping[str, str], ttl: float) -> set[str]:
+        """Push each claim (key -> owner) still held by its owner to ``ttl`` seconds from
+        now, in one round trip; returns the keys whose claim was lost (expired, taken by
+        another owner, or done)."""
+        for owner in claims.values():
+            check_claim(owner, ttl)
+        if not claims:
+            return set()
+        return self.retrying(f"renewing {len(claims)} claims",
+                             lambda: self._renew_claims(claims, ttl))
+
+    def release_claim(self, key: str, owner: str) -> None:
+        """Drop the claim on ``key`` if ``owner`` still holds it (the run failed or stopped)."""
+        self.retrying(f"releasing claim {key}", lambda: self._release_claim(key, owner))
+
+    def finish_claim(self, key: str, owner: str) -> None:
+        """Mark ``key`` done for ``expires`` seconds (None: for good), whoever holds it now:
+        the run did succeed. ``owner`` names the finisher in logs only."""
+        self.retrying(f"finishing claim {key} for {owner}", lambda: self._finish_claim(key))
+
+    def _claim(self, key: str, owner: str, ttl: float) -> Claim:
+        raise NotImplementedError(self._no_claims())
+
+    def _renew_claims(self, claims: Mapping[str, str], ttl: float) -> set[str]:
+        raise NotImplementedError(self._no_claims())
+
+    def _release_claim(self, key: str, owner: str) -> None:
+        raise NotImplementedError(self._no_claims())
+
+    def _finish_claim(self, key: str) -> None:
+        raise NotImplementedError(self._no_claims())
+
+    def _no_claims(self) -> str:
+        return (f"{type(self).__name__} does not support claims, which idempotent tasks "
+                "need: use a result_backend that does (sqlite:// or redis://)")
+
     @staticmethod
     def encode_part(state: str, result: Any) -> Any:
         if state != SUCCESS and isinstance(result, BaseException):
@@ -225,3 +293,8 @@ class DisabledBackend(Backend):
 
     def _forget(self, task_id: str) -> None:
         return None
+
+    def _no_claims(self) -> str:
+        return ("idempotent tasks need a result store to claim their keys in, and results "
+                "are disabled (result_backend = \"disabled\"): set result_backend to a "
+                "sqlite:// or redis:// URL, or drop idempotent=True")

@@ -7,20 +7,24 @@ after a lost connection they reconnect, resubscribe and read again.
 """
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import redis
 
 from ..exceptions import TimeoutError
 from ..states import READY_STATES
-from .base import Backend, ChordCompletion, ChordPart
+from .base import CLAIM_DONE, Backend, ChordCompletion, ChordPart, Claim
 from .encoding import dumps, loads
 
 TASK_PREFIX = "celery-task-meta-"
 GROUP_PREFIX = "celery-taskset-meta-"
+#: ``workhorse-claim-<key>`` holds the owner while claimed, ``done`` once finished.
+CLAIM_PREFIX = "workhorse-claim-"
 #: How long the worker that completes a chord holds its claim while it dispatches the body.
 CHORD_CLAIM_SECONDS = 30
 #: How long a finished chord is remembered, so a late duplicate part cannot restart it.
@@ -63,6 +67,43 @@ end
 return 0
 """
 
+# Claims: GET-compare-SET in one script each, so no other client acts between the read and
+# the write. ARGV[1] is the owner; 'done' is never an owner (base.check_claim).
+_CLAIM = """
+local value = redis.call('GET', KEYS[1])
+if value == 'done' then
+    return 'done'
+end
+if value and value ~= ARGV[1] then
+    return 'held'
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 'claimed'
+"""
+# KEYS[i] is renewed for owner ARGV[i + 1]; returns the positions of the lost ones.
+_RENEW = """
+local lost = {}
+for i, key in ipairs(KEYS) do
+    if redis.call('GET', key) == ARGV[i + 1] then
+        redis.call('PEXPIRE', key, ARGV[1])
+    else
+        table.insert(lost, i)
+    end
+end
+return lost
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+def _milliseconds(ttl: float) -> int:
+    """PX wants a whole number of milliseconds, at least one."""
+    return max(1, math.ceil(ttl * 1000))
+
 
 class RedisBackend(Backend):
     """``SETEX`` + ``PUBLISH`` in one MULTI/EXEC; waiting clients subscribe, then GET once."""
@@ -96,12 +137,16 @@ class RedisBackend(Backend):
     def key(task_id: str) -> str:
         return TASK_PREFIX + task_id
 
+    def _ex(self) -> int | None:
+        """``result_expires`` as SET's EX (whole seconds, at least one); None: no expiry."""
+        return max(1, int(self.expires)) if self.expires else None
+
     # -- task results
     def _set(self, task_id: str, state: str, payload: str) -> None:
         key = self.key(task_id)
         with self.client.pipeline(transaction=True) as pipe:
             # SET EX is SETEX (which redis-py now calls deprecated): same command semantics.
-            pipe.set(key, payload, ex=max(1, int(self.expires)) if self.expires else None)
+            pipe.set(key, payload, ex=self._ex())
             pipe.publish(key, payload)
             pipe.execute()
 
@@ -146,8 +191,7 @@ class RedisBackend(Backend):
 
     # -- groups
     def _set_group(self, group_id: str, payload: str) -> None:
-        self.client.set(GROUP_PREFIX + group_id, payload,
-                        ex=max(1, int(self.expires)) if self.expires else None)
+        self.client.set(GROUP_PREFIX + group_id, payload, ex=self._ex())
 
     def _get_group(self, group_id: str) -> str | None:
         value = self.client.get(GROUP_PREFIX + group_id)
@@ -168,7 +212,7 @@ class RedisBackend(Backend):
         def setup() -> None:
             with self.client.pipeline(transaction=True) as pipe:
                 pipe.delete(keys[4])          # a re-applied chord is a new run
-                pipe.set(keys[2], size, ex=int(self.expires) if self.expires else None)
+                pipe.set(keys[2], size, ex=self._ex())
                 pipe.execute()
         self.retrying(f"setting up chord {group_id}", setup)
 
@@ -194,3 +238,20 @@ class RedisBackend(Backend):
         keys = self._chord_keys(group_id)
         self.retrying(f"finishing chord {group_id}", lambda: self.client.eval(
             _FINISH, 5, *keys, token, CHORD_DONE_SECONDS))
+
+    # -- claims (retried by the base class's public methods)
+    def _claim(self, key: str, owner: str, ttl: float) -> Claim:
+        value = self.client.eval(_CLAIM, 1, CLAIM_PREFIX + key, owner, _milliseconds(ttl))
+        return Claim(value.decode() if isinstance(value, bytes) else value)
+
+    def _renew_claims(self, claims: Mapping[str, str], ttl: float) -> set[str]:
+        keys = list(claims)
+        lost = self.client.eval(_RENEW, len(keys), *(CLAIM_PREFIX + key for key in keys),
+                                _milliseconds(ttl), *(claims[key] for key in keys))
+        return {keys[position - 1] for position in lost}
+
+    def _release_claim(self, key: str, owner: str) -> None:
+        self.client.eval(_RELEASE, 1, CLAIM_PREFIX + key, owner)
+
+    def _finish_claim(self, key: str) -> None:
+        self.client.set(CLAIM_PREFIX + key, CLAIM_DONE, ex=self._ex())

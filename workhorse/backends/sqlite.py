@@ -11,15 +11,19 @@ import os
 import secrets
 import sqlite3
 import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from .. import sqlitedb
 from ..forksafe import abandon
-from .base import Backend, ChordCompletion, ChordPart
+from .base import Backend, ChordCompletion, ChordPart, Claim
 from .encoding import dumps, loads
 
-SCHEMA_VERSION = 2
+# Files made by an older version get the tables they lack when opened (sqlitedb.connect runs
+# the script, all IF NOT EXISTS, while user_version is below this): 3 added claims.
+SCHEMA_VERSION = 3
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS task_results (
     task_id    TEXT PRIMARY KEY,
@@ -49,6 +53,13 @@ CREATE TABLE IF NOT EXISTS chord_parts (
     state    TEXT NOT NULL,
     result   TEXT NOT NULL,
     PRIMARY KEY (group_id, idx, task_id)
+);
+CREATE TABLE IF NOT EXISTS claims (
+    key        TEXT PRIMARY KEY,
+    owner      TEXT,              -- who holds it; NULL once done
+    until      REAL,              -- epoch seconds the claim lapses unless renewed
+    done       INTEGER NOT NULL DEFAULT 0,
+    expires_at REAL               -- when a done key is forgotten; NULL keeps it
 );
 """
 #: How long a claim on a completed chord holds before another caller may take over (the
@@ -102,6 +113,19 @@ class SQLiteBackend(Backend):
     def _expiry(self) -> float | None:
         return time.time() + self.expires if self.expires else None
 
+    @contextmanager
+    def _immediate(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: taking the write lock up front means what is read inside
+        cannot change before it is written, and waiting for it goes through busy_timeout."""
+        conn = self.conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
     # -- task results
     def _set(self, task_id: str, state: str, payload: str) -> None:
         self.conn.execute(
@@ -145,13 +169,10 @@ class SQLiteBackend(Backend):
 
     def _part_return(self, group_id: str, task_id: str, index: int, state: str,
                      encoded: str) -> ChordCompletion | None:
-        conn = self.conn
-        conn.execute("BEGIN IMMEDIATE")   # one writer at a time: the count is exact
-        try:
+        with self._immediate() as conn:   # one writer at a time: the count is exact
             chord = conn.execute("SELECT size, claim, claim_until, done FROM chords "
                                  "WHERE group_id = ?", (group_id,)).fetchone()
             if chord is None or chord[3]:
-                conn.execute("COMMIT")
                 return None
             conn.execute("INSERT OR IGNORE INTO chord_parts VALUES (?, ?, ?, ?, ?)",
                          (group_id, index, task_id, state, encoded))
@@ -160,37 +181,68 @@ class SQLiteBackend(Backend):
             size, claim, claim_until = chord[0], chord[1], chord[2]
             now = time.time()
             if ready < size or (claim is not None and claim_until > now):
-                conn.execute("COMMIT")
                 return None
             token = secrets.token_hex(8)
             conn.execute("UPDATE chords SET claim = ?, claim_until = ? WHERE group_id = ?",
                          (token, now + CHORD_CLAIM_SECONDS, group_id))
             rows = conn.execute("SELECT task_id, state, result FROM chord_parts "
                                 "WHERE group_id = ? ORDER BY idx", (group_id,)).fetchall()
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
         return ChordCompletion([ChordPart(t, s, loads(r)) for t, s, r in rows], token)
 
     def chord_finished(self, group_id: str, token: str) -> None:
         def finish() -> None:
-            conn = self.conn
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+            with self._immediate() as conn:
                 claimed = conn.execute("UPDATE chords SET done = 1 WHERE group_id = ? AND "
                                        "claim = ?", (group_id, token)).rowcount
                 if claimed:
                     conn.execute("DELETE FROM chord_parts WHERE group_id = ?", (group_id,))
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
         self.retrying(f"finishing chord {group_id}", finish)
+
+    # -- claims (retried by the base class's public methods). Expired rows count as absent
+    # at once, like results; purge_expired deletes them later.
+    def _claim(self, key: str, owner: str, ttl: float) -> Claim:
+        with self._immediate() as conn:
+            row = conn.execute("SELECT owner, until, done, expires_at FROM claims "
+                               "WHERE key = ?", (key,)).fetchone()
+            now = time.time()
+            if row is not None:
+                holder, until, done, expires_at = row
+                if done and (expires_at is None or expires_at > now):
+                    return Claim.DONE
+                if not done and holder != owner and until > now:
+                    return Claim.HELD
+            conn.execute("INSERT OR REPLACE INTO claims (key, owner, until, done, expires_at) "
+                         "VALUES (?, ?, ?, 0, NULL)", (key, owner, now + ttl))
+        return Claim.CLAIMED
+
+    def _renew_claims(self, claims: Mapping[str, str], ttl: float) -> set[str]:
+        lost = set()
+        with self._immediate() as conn:
+            now = time.time()
+            for key, owner in claims.items():
+                # A lapsed claim is lost even if nobody took it meanwhile, as in Redis where
+                # the key is gone: someone may have claimed and released it in between.
+                renewed = conn.execute(
+                    "UPDATE claims SET until = ? WHERE key = ? AND owner = ? AND NOT done "
+                    "AND until > ?", (now + ttl, key, owner, now)).rowcount
+                if not renewed:
+                    lost.add(key)
+        return lost
+
+    # One statement is a transaction of its own, and a write statement takes the write lock
+    # before it reads: release and finish need no BEGIN IMMEDIATE.
+    def _release_claim(self, key: str, owner: str) -> None:
+        self.conn.execute("DELETE FROM claims WHERE key = ? AND owner = ? AND NOT done",
+                          (key, owner))
+
+    def _finish_claim(self, key: str) -> None:
+        self.conn.execute("INSERT OR REPLACE INTO claims (key, owner, until, done, expires_at) "
+                          "VALUES (?, NULL, NULL, 1, ?)", (key, self._expiry()))
 
     # -- housekeeping
     def purge_expired(self) -> int:
-        """Delete expired results, groups and abandoned chords; returns how many results."""
+        """Delete expired results, groups, abandoned chords and claims (lapsed, or done and
+        past result_expires); returns how many results."""
         now = time.time()
         conn = self.conn
         removed = conn.execute("DELETE FROM task_results WHERE expires_at IS NOT NULL AND "
@@ -200,4 +252,6 @@ class SQLiteBackend(Backend):
         conn.execute("DELETE FROM chord_parts WHERE group_id IN (SELECT group_id FROM chords "
                      "WHERE expires_at <= ?)", (now,))
         conn.execute("DELETE FROM chords WHERE expires_at <= ?", (now,))
+        conn.execute("DELETE FROM claims WHERE (done AND expires_at <= ?) OR (NOT done AND "
+                     "until <= ?)", (now, now))
         return removed
