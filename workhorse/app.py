@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import ssl
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -17,6 +18,7 @@ from .forksafe import abandon
 from .config import SETTINGS, ConfigError, Settings, load_settings
 from .protocol import build_message
 from .queues import ensure_queue
+from .transport import REDIS as REDIS_TRANSPORT
 from .result import AsyncResult, GroupResult, ResultCache
 from .task import Task, current_context, new_task_id, resolve_times
 
@@ -127,11 +129,21 @@ class App:
     def connection(self) -> Connection:
         """A new, unconnected kombu Connection to the configured broker."""
         settings = self.settings
-        return Connection(settings.broker_url, transport_options={
+        url = settings.broker_url
+        options: dict[str, Any] = {}
+        scheme = url.split("://", 1)[0]
+        if scheme in ("redis", "rediss"):
+            # kombu's Redis transport with renewable leases and lease-checked acks.
+            options["transport"] = REDIS_TRANSPORT
+            if scheme == "rediss":
+                # kombu turns on TLS for the scheme name, which a transport class hides;
+                # verify the server's certificate (kombu would not).
+                options["ssl"] = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
+        return Connection(url, transport_options={
             "visibility_timeout": settings.visibility_timeout,
             # RabbitMQ: publish returns once the broker has the message (publisher
             # confirms), so "sent, then ack the original" can never lose it.
-            "confirm_publish": True})
+            "confirm_publish": True}, **options)
 
     def send_task(self, name: str, args: Sequence[Any] | None = None,
                   kwargs: Mapping[str, Any] | None = None, *,

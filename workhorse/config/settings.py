@@ -100,6 +100,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_memory_per_child", "worker", t.memory_size().or_none(), None,
             "Replace a child whose resident memory exceeds this after a task (none: never). "
             "A bare integer is KiB, as in Celery."),
+    Setting("max_scheduled", "worker", t.integer(1), 10000,
+            "At most this many scheduled (ETA/countdown) messages wait in the worker; beyond "
+            "it, further ones go back to their queue (not counted as deliveries)."),
     Setting("graceful_timeout", "worker", t.seconds(positive=False), 60.0,
             "How long a warm shutdown waits for running tasks before killing them."),
     Setting("loglevel", "worker", t.choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
@@ -116,9 +119,15 @@ SETTINGS: tuple[Setting, ...] = (
             lambda r: f"sqlite:///{r['state_dir'] / 'broker.sqlite3'}",
             "The message broker: sqlite:///<path> (embedded), redis://, amqp://.",
             default_doc="sqlite:///<state_dir>/broker.sqlite3", cli=("-b",)),
-    Setting("visibility_timeout", "broker", t.seconds(positive=True), 3600.0,
+    Setting("visibility_timeout", "broker", t.seconds(positive=True), 30.0,
             "How long a message taken but not acknowledged stays leased (SQLite, Redis) before "
-            "the broker hands it out again."),
+            "the broker hands it out again. A live worker renews the leases of everything it "
+            "holds every visibility_timeout/4 s, so this bounds only how long a dead worker's "
+            "messages wait. Workers sharing a broker should use the same value."),
+    Setting("rabbitmq_consumer_timeout", "broker", t.seconds(positive=True), 1800.0,
+            "RabbitMQ's consumer_timeout (its default: 30 minutes). A scheduled (ETA) message "
+            "held for half of it is handed back to its queue as a fresh copy, so RabbitMQ "
+            "never closes the channel over it. Running tasks must finish within it."),
     # [results]
     Setting("result_backend", "results", t.text(_check_backend, "a result store URL"),
             lambda r: f"sqlite:///{r['state_dir'] / 'results.sqlite3'}",

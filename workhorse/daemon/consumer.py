@@ -35,6 +35,8 @@ DEAD_WORKER_HEADER = "x-workhorse-dead-worker"
 _KEPT_PROPERTIES = ("correlation_id", "reply_to", "priority")
 #: Brokers with no socket to watch: polled this often while the worker has room.
 POLL_INTERVAL = 0.05
+#: Redis: how often to put back messages whose lease expired (their consumer died).
+RESTORE_SWEEP_INTERVAL = 2.0
 
 OnMessage = Callable[[str, Message], None]
 
@@ -167,6 +169,20 @@ class BrokerConsumer:
             for consumer in self.consumers:
                 consumer.consume()
 
+    # -- leases
+    @property
+    def leased(self) -> bool:
+        """Does the broker lease what we hold, so that we must renew it (SQLite, Redis)?"""
+        return bool(self.consumers) and hasattr(self.consumers[0].channel, "renew")
+
+    def renew(self, messages: list[Message]) -> list[Message]:
+        """Renew the leases of held messages; return those whose lease was lost (another
+        worker may hold them now: they must not be run or settled here)."""
+        if not messages or not self.leased:
+            return []
+        by_tag = {m.delivery_tag: m for m in messages}
+        return [by_tag[tag] for tag in self.consumers[0].channel.renew(list(by_tag))]
+
     # -- settling
     def ack(self, message: Message) -> None:
         message.ack()
@@ -193,6 +209,12 @@ class BrokerConsumer:
             delivery_mode=2, retry=True,
             retry_policy={"max_retries": 5, "interval_start": 0.1, "interval_max": 1.0},
             **properties)
+
+    def hand_back(self, queue: str, message: Message) -> None:
+        """A fresh copy to the end of its queue, then ack: not a delivery that counts (its
+        headers, delivery count included, are kept)."""
+        self.republish(queue, message, {})
+        message.ack()
 
     def requeue_counted(self, queue: str, message: Message, deliveries: int) -> None:
         """Back to the queue as a delivery that counts: a copy carrying the count, then ack."""
@@ -305,7 +327,9 @@ class _RedisDriver(_Driver):
             pass
 
     def periodic(self) -> list[tuple[float, Callable[[], None]]]:
-        return [(10.0, self.cycle.maybe_restore_messages),
+        # kombu's sweep puts back messages whose lease ran out (their worker died); ours
+        # are renewed long before that, so sweeping often only shortens a dead worker's wait.
+        return [(RESTORE_SWEEP_INTERVAL, self.cycle.maybe_restore_messages),
                 (25.0, self.cycle.maybe_check_brpop_health)]
 
     def finish(self) -> None:

@@ -27,6 +27,7 @@ class Delivery:
     request: Request
     task: Any                  # the registered Task
     policy: Policy
+    received: float = 0.0      # monotonic time it arrived here
     stage: Stage = Stage.BUFFERED
     acked: bool = False        # acked at start (acks_late = false)
     started: bool = False

@@ -60,6 +60,11 @@ CRASH_BACKOFF_MAX = 10.0
 RESULT_PURGE_INTERVAL = 300.0
 #: How often idle children's memory is compared with max_memory_per_child.
 IDLE_MEMORY_CHECK = 2.0
+#: Leases are renewed this many times per visibility_timeout.
+RENEWALS_PER_TIMEOUT = 4
+#: After handing back an ETA message over max_scheduled, stop fetching for this long, so a
+#: queue of far-future messages is not cycled through the worker at full speed.
+SCHEDULE_FULL_PAUSE = 1.0
 
 
 class Phase(str, enum.Enum):
@@ -81,6 +86,7 @@ class Supervisor:
         self.signals = SignalPipe(HANDLED_SIGNALS)
         self.consumer = BrokerConsumer(app, list(settings.queues), self.on_message)
         self.children: list[Child | None] = [None] * self.concurrency
+        self.inbox: deque[tuple[str, Message]] = deque()   # received, not yet looked at
         self.buffer: deque[Delivery] = deque()
         self.scheduled: set[Delivery] = set()
         self.storing: set[Delivery] = set()   # over; waiting to store their result
@@ -94,6 +100,7 @@ class Supervisor:
         self._broker_fds: set[int] = set()
         self._baseline_fds: set[int] = set()
         self._want_poll = False
+        self._paused_until = 0.0   # monotonic; fetching stops until then (max_scheduled)
 
     # ------------------------------------------------------------------ running
     @property
@@ -102,12 +109,13 @@ class Supervisor:
 
     @property
     def held(self) -> int:
-        """Buffered + running: what the prefetch window bounds."""
-        return len(self.buffer) + self.running
+        """Received (not yet looked at), buffered and running: what the window bounds."""
+        return len(self.inbox) + len(self.buffer) + self.running
 
     def has_room(self) -> bool:
         """May the worker take one more message? Its own count, not the broker's QoS."""
-        return self.phase is Phase.RUNNING and self.held < self.window
+        return (self.phase is Phase.RUNNING and self.held < self.window
+                and time.monotonic() >= self._paused_until)
 
     def _update_flow(self) -> None:
         """Tell the broker how many unacknowledged messages it may have out with us.
@@ -120,6 +128,9 @@ class Supervisor:
         acked_running = sum(1 for c in self.children
                             if c is not None and c.busy and c.job.acked)
         unacked_storing = sum(1 for d in self.storing if not d.acked)
+        if time.monotonic() < self._paused_until:
+            self.consumer.set_credit(0)
+            return
         self.consumer.set_credit(self.window + len(self.scheduled) + unacked_storing
                                  - acked_running)
 
@@ -143,6 +154,12 @@ class Supervisor:
                 self._every(POLL_INTERVAL, self._poll_timer)
             if self.settings.max_memory_per_child:
                 self._every(IDLE_MEMORY_CHECK, self._check_idle_memory)
+            if self.consumer.leased:
+                self._every(self.settings.visibility_timeout / RENEWALS_PER_TIMEOUT,
+                            self._renew_leases)
+            elif self.consumer.driver is not None and self.consumer.driver.push:
+                self._every(min(60.0, self.settings.rabbitmq_consumer_timeout / 8),
+                            self._refresh_scheduled)
             if hasattr(self.app.backend, "purge_expired"):
                 self._every(RESULT_PURGE_INTERVAL, self._purge_results)
             watchdog = systemd.watchdog_interval()
@@ -193,10 +210,12 @@ class Supervisor:
             self._sync_broker_fds()
 
     def _after_events(self) -> None:
+        self._accept_received()
         self._dispatch()
         if self._want_poll and self.has_room():
             self._want_poll = False
             self.consumer.poll()
+            self._accept_received()
             self._dispatch()
         self._maybe_stopped()
 
@@ -218,7 +237,16 @@ class Supervisor:
 
     # ------------------------------------------------------------------ messages
     def on_message(self, queue: str, message: Message) -> None:
-        """kombu hands us one raw message (not decoded: the child decodes the body)."""
+        """kombu hands us one raw message (not decoded: the child decodes the body). It is
+        looked at once the drain returns: settling talks to the broker (a publish waits for
+        its confirm), which must not happen inside the broker's own read of more messages."""
+        self.inbox.append((queue, message))
+
+    def _accept_received(self) -> None:
+        while self.inbox:
+            self._accept(*self.inbox.popleft())
+
+    def _accept(self, queue: str, message: Message) -> None:
         if self.phase is not Phase.RUNNING:
             message.reject(requeue=True)   # arrived after we stopped fetching: not ours
             return
@@ -229,7 +257,8 @@ class Supervisor:
             return
         task = self.app.tasks.get(request.task)
         policy = self._policy(task)
-        delivery = Delivery(next(self._seq), queue, message, request, task, policy)
+        delivery = Delivery(next(self._seq), queue, message, request, task, policy,
+                            received=time.monotonic())
         if task is None:
             self._settle(delivery, Outcome.UNKNOWN_TASK,
                          f"{NotRegistered(request.task)} (does the worker's app define it?)")
@@ -262,11 +291,93 @@ class Supervisor:
                       max_deliveries=pick("max_deliveries"))
 
     def _schedule(self, delivery: Delivery, delay: float) -> None:
-        """Hold an ETA message in the supervisor; it does not take a prefetch slot."""
+        """Hold an ETA message in the supervisor; it does not take a prefetch slot. Past
+        max_scheduled it goes back to its queue instead, and fetching pauses briefly."""
+        if len(self.scheduled) >= self.settings.max_scheduled:
+            log.warning("%s: %d scheduled messages held already (max_scheduled); handed back "
+                        "to %s, fetching paused for %.0f s", delivery.label, len(self.scheduled),
+                        delivery.queue, SCHEDULE_FULL_PAUSE)
+            self._hand_back(delivery)
+            self._pause_fetching(SCHEDULE_FULL_PAUSE)
+            return
         delivery.stage = Stage.SCHEDULED
         self.scheduled.add(delivery)
         self._update_flow()
         delivery.timer = self.loop.call_later(delay, lambda: self._eta_reached(delivery))
+
+    def _pause_fetching(self, seconds: float) -> None:
+        paused = time.monotonic() < self._paused_until
+        self._paused_until = time.monotonic() + seconds
+        if not paused:
+            self._update_flow()
+            self.loop.call_later(seconds, self._resume_fetching)
+
+    def _resume_fetching(self) -> None:
+        remaining = self._paused_until - time.monotonic()
+        if remaining > 0:       # extended meanwhile (or the timer fired a hair early)
+            self.loop.call_later(remaining, self._resume_fetching)
+            return
+        self._update_flow()
+        self._want_poll = True
+
+    def _hand_back(self, delivery: Delivery) -> None:
+        delivery.stage = Stage.SETTLED
+        try:
+            self.consumer.hand_back(delivery.queue, delivery.message)
+        except Exception:  # noqa: BLE001
+            log.exception("%s: could not hand it back; the broker returns it when its lease "
+                          "ends or the connection closes", delivery.label)
+
+    # ------------------------------------------------------------------ leases
+    def _held(self) -> list[Delivery]:
+        """Everything taken from the broker and not yet settled with it."""
+        running = [c.job for c in self.children if c is not None and c.job is not None]
+        return [d for d in (*self.buffer, *self.scheduled, *running, *self.storing)
+                if not d.acked]
+
+    def _renew_leases(self) -> None:
+        """SQLite, Redis: keep what we hold from being handed to another worker."""
+        held = self._held()
+        lost = {id(m) for m in self.consumer.renew([d.message for d in held])}
+        for delivery in held:
+            if id(delivery.message) in lost:
+                self._lease_lost(delivery)
+
+    def _lease_lost(self, delivery: Delivery) -> None:
+        """Our lease ran out (renewals failed for a whole visibility_timeout): the broker may
+        have handed the message to another worker. Do not start it here; if it runs, let
+        it finish (settling it then touches only our own, lost, lease)."""
+        if delivery in self.scheduled:
+            self.scheduled.discard(delivery)
+            if delivery.timer is not None:
+                delivery.timer.cancel()
+        elif delivery in self.buffer:
+            self.buffer.remove(delivery)
+        else:
+            log.warning("%s: lease lost while running; the broker may deliver it again",
+                        delivery.label)
+            return
+        delivery.stage = Stage.SETTLED
+        log.warning("%s: lease lost before it started; left to the broker, not run here",
+                    delivery.label)
+        self._update_flow()
+
+    def _refresh_scheduled(self) -> None:
+        """RabbitMQ closes a channel holding an unacked message past its consumer_timeout:
+        hand back scheduled messages held for half of it (a fresh copy; not counted)."""
+        limit = time.monotonic() - self.settings.rabbitmq_consumer_timeout / 2
+        for delivery in sorted(self.scheduled, key=lambda d: d.seq):
+            if delivery.received > limit:
+                continue
+            self.scheduled.discard(delivery)
+            if delivery.timer is not None:
+                delivery.timer.cancel()
+            log.info("%s: scheduled for %s, held since %.0f s; handed back to %s before "
+                     "RabbitMQ's consumer_timeout", delivery.label,
+                     delivery.request.eta.isoformat() if delivery.request.eta else "?",
+                     time.monotonic() - delivery.received, delivery.queue)
+            self._hand_back(delivery)
+        self._update_flow()
 
     def _eta_reached(self, delivery: Delivery) -> None:
         if delivery not in self.scheduled:
@@ -676,6 +787,7 @@ class Supervisor:
     def _maybe_stopped(self) -> None:
         if self.phase not in (Phase.WARM, Phase.COLD):
             return
+        self._accept_received()      # arrived while stopping: each goes back to its queue
         if all(c is None or c.state is ChildState.EXITED for c in self.children):
             if self.storing and self.phase is Phase.WARM:
                 return      # still retrying their results, until graceful_timeout

@@ -4,6 +4,7 @@ from __future__ import annotations
 from kombu.transport import TRANSPORT_ALIASES
 
 SQLITE = "workhorse.transport.sqlite:Transport"
+REDIS = "workhorse.transport.redis:Transport"
 
 
 def register() -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Iterable
 from queue import Empty
 from typing import Any
 
@@ -99,6 +100,12 @@ class Channel(virtual.Channel):
             info["redelivered"] = True
             message.setdefault("headers", {})["redelivered"] = True
         return message
+
+    def renew(self, tags: Iterable[str]) -> list[str]:
+        """Extend the leases behind these delivery tags; return the tags whose lease is lost."""
+        tags = list(tags)
+        alive = self.store.renew((parse_tag(t) for t in tags), self.visibility_timeout)
+        return [t for t in tags if parse_tag(t) not in alive]
 
     def _size(self, queue: str) -> int:
         return self.store.size(queue)

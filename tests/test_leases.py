@@ -1,0 +1,175 @@
+"""No duplicates, no losses (SEMANTICS.md "Duplicates"): leases renewed while a live worker
+holds a message, ETA messages held past the visibility timeout, a supervisor killed
+outright, the scheduled bound, RabbitMQ's consumer_timeout, and acks that touch only
+their own lease."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import pytest
+import redis
+from kombu import Connection, Producer
+
+from workhorse.queues import ensure_queue
+from workhorse.transport import REDIS as REDIS_TRANSPORT
+
+from .conftest import REDIS_URL, require_service, runs, wait_until
+from .test_delivery import holds, starts
+
+pytestmark = pytest.mark.timeout(180)
+
+#: A short visibility timeout, so "three times longer" stays quick.
+VT = 2.0
+
+
+def test_a_task_three_times_longer_than_the_visibility_timeout_runs_once(
+        broker, client, start_worker, tmp_path):
+    from tests.apps.basic import record
+    start_worker(broker, visibility_timeout=VT, concurrency=2)
+    result = record.delay(3 * VT)
+    assert result.get(timeout=60) == result.id
+    holds(lambda: starts(tmp_path, result.id) == 1, VT * 1.5, "one start only")
+    assert broker.queue_size() == 0
+
+
+def test_an_eta_three_times_the_visibility_timeout_runs_once(broker, client, start_worker,
+                                                              tmp_path):
+    from tests.apps.basic import record
+    start_worker(broker, visibility_timeout=VT, concurrency=2)
+    sent = time.monotonic()
+    result = record.apply_async(countdown=3 * VT)
+    assert result.get(timeout=60) == result.id
+    assert time.monotonic() - sent >= 3 * VT
+    holds(lambda: starts(tmp_path, result.id) == 1, VT * 1.5, "one start only")
+    assert broker.queue_size() == 0
+
+
+def test_a_killed_supervisors_held_messages_run_within_the_lease_time_of_a_new_worker(
+        broker, client, start_worker, tmp_path):
+    """SIGKILL with 8 held: a fresh worker runs all 8 within visibility_timeout + a few
+    seconds; only the task that was running at the kill may run twice."""
+    from tests.apps.basic import record
+    vt = 4.0
+    first = start_worker(broker, visibility_timeout=vt, concurrency=1, prefetch_multiplier=8)
+    results = [record.delay(0.5) for _ in range(8)]
+    wait_until(lambda: len(runs(tmp_path)) >= 1, 20, "the first task to start")
+    wait_until(lambda: broker.queue_size() == 0, 20, "all 8 taken by the worker")
+    first.kill()
+    killed_at = time.monotonic()
+    start_worker(broker, visibility_timeout=vt, concurrency=2)
+    for result in results:
+        assert result.get(timeout=60) == result.id
+    took = time.monotonic() - killed_at
+    # Lease time, the new worker's start-up, and 8 × 0.5 s of work on two children.
+    assert took < vt + 12, f"held messages came back after {took:.1f} s"
+    counts = sorted(starts(tmp_path, r.id) for r in results)
+    assert counts[0] >= 1 and counts[-2] == 1 and counts[-1] <= 2, counts
+
+
+def test_scheduled_messages_beyond_max_scheduled_go_back_and_still_run_once(
+        broker, client, start_worker, tmp_path):
+    from tests.apps.basic import record
+    worker = start_worker(broker, max_scheduled=2, concurrency=2)
+    results = [record.apply_async(countdown=2) for _ in range(4)]
+    for result in results:
+        assert result.get(timeout=60) == result.id
+    assert "max_scheduled" in worker.log()
+    holds(lambda: all(starts(tmp_path, r.id) == 1 for r in results), 1.0, "one start each")
+
+
+@pytest.mark.parametrize("broker", ["amqp"], indirect=True)
+def test_a_scheduled_message_is_handed_back_before_rabbitmqs_consumer_timeout(
+        broker, client, start_worker, tmp_path):
+    from tests.apps.basic import record
+    worker = start_worker(broker, rabbitmq_consumer_timeout=2)
+    result = record.apply_async(countdown=4)
+    assert result.get(timeout=60) == result.id
+    assert "before RabbitMQ's consumer_timeout" in worker.log()
+    holds(lambda: starts(tmp_path, result.id) == 1, 1.0, "one start only")
+    assert broker.queue_size() == 0
+
+
+# ---------------------------------------------------------------- Redis: the delivery tag
+def _publish(url: str, queue: str, transport: str | None) -> None:
+    with Connection(url, transport=transport) as conn:
+        ensure_queue(conn, queue)
+        Producer(conn).publish({"n": 1}, exchange="", routing_key=queue, serializer="json")
+
+
+def _redelivered_elsewhere(url: str, queue: str, transport: str | None):
+    """A takes a message; its lease runs out (as if A stalled) and kombu's sweep puts it
+    back; B takes it, under the same delivery tag. Returns (A's message, B's message, A's
+    and B's connections)."""
+    a_conn = Connection(url, transport=transport, transport_options={"visibility_timeout": 1})
+    b_conn = Connection(url, transport=transport, transport_options={"visibility_timeout": 1})
+    a_msg = ensure_queue(a_conn, queue)(a_conn.channel()).get(no_ack=False)
+    server = redis.Redis.from_url(url)
+    server.zadd("unacked_index", {a_msg.delivery_tag: time.time() - 60})
+    b_channel = b_conn.channel()
+    b_channel.qos.restore_visible(num=None, interval=1)
+    b_msg = ensure_queue(b_conn, queue)(b_channel).get(no_ack=False)
+    assert b_msg is not None and b_msg.delivery_tag == a_msg.delivery_tag
+    return a_msg, b_msg, a_conn, b_conn
+
+
+@pytest.fixture
+def redis_queue():
+    require_service("Redis", 6379)
+    queue = f"t-{uuid.uuid4().hex[:10]}"
+    yield queue
+    with Connection(REDIS_URL) as conn:
+        ensure_queue(conn, queue)(conn.default_channel).delete()
+
+
+def test_a_late_ack_leaves_the_new_holders_copy_alone(redis_queue):
+    _publish(REDIS_URL, redis_queue, REDIS_TRANSPORT)
+    a_msg, b_msg, a_conn, b_conn = _redelivered_elsewhere(REDIS_URL, redis_queue,
+                                                         REDIS_TRANSPORT)
+    server = redis.Redis.from_url(REDIS_URL)
+    tag = a_msg.delivery_tag
+    try:
+        assert a_msg.channel.renew([tag]) == [tag]       # A learns it lost the lease
+        a_msg.ack()
+        assert server.hexists("unacked", tag)            # B's copy is still accounted for
+        assert server.zscore("unacked_index", tag) is not None
+        assert b_msg.channel.renew([tag]) == []          # and B's lease is intact
+        b_msg.ack()
+        assert not server.hexists("unacked", tag)
+        assert server.zscore("unacked_index", tag) is None
+    finally:
+        a_conn.release()
+        b_conn.release()
+
+
+def test_kombus_own_redis_ack_removes_the_other_copys_bookkeeping(redis_queue):
+    """Why workhorse has its own Redis QoS: with kombu's, A's late ack deletes B's entry, so
+    B's copy would never come back if B died. (If this starts failing, kombu fixed it.)"""
+    _publish(REDIS_URL, redis_queue, None)
+    a_msg, b_msg, a_conn, b_conn = _redelivered_elsewhere(REDIS_URL, redis_queue, None)
+    server = redis.Redis.from_url(REDIS_URL)
+    try:
+        a_msg.ack()
+        assert not server.hexists("unacked", b_msg.delivery_tag)
+    finally:
+        b_msg.ack()
+        a_conn.release()
+        b_conn.release()
+
+
+def test_renewal_moves_only_existing_leases(redis_queue):
+    _publish(REDIS_URL, redis_queue, REDIS_TRANSPORT)
+    server = redis.Redis.from_url(REDIS_URL)
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        message = ensure_queue(conn, redis_queue)(conn.channel()).get(no_ack=False)
+        tag = message.delivery_tag
+        before = server.zscore("unacked_index", tag)
+        wait_until(lambda: time.time() > before + 0.01, 1, "the clock to move")
+        assert message.channel.renew([tag, "no-such-tag"]) == ["no-such-tag"]
+        assert server.zscore("unacked_index", tag) > before
+        assert server.zscore("unacked_index", "no-such-tag") is None
+        message.ack()
+        assert message.channel.renew([tag]) == [tag]
+        assert server.zscore("unacked_index", tag) is None
