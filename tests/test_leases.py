@@ -4,8 +4,6 @@ outright, the scheduled bound, RabbitMQ's consumer_timeout, and acks that touch 
 their own lease."""
 from __future__ import annotations
 
-import os
-import signal
 import time
 import uuid
 
