@@ -26,6 +26,10 @@ EARLY = Policy(acks_late=False)
     (Outcome.SHUTDOWN_KILLED, Policy(reject_on_worker_lost=False),
      Decision(Action.DEAD_LETTER, Store.WORKER_LOST)),
     (Outcome.STORE_FAILED, DEFAULT, Decision(Action.REQUEUE_COUNTED)),
+    (Outcome.ALREADY_DONE, DEFAULT, Decision(Action.ACK)),
+    (Outcome.ALREADY_DONE, EARLY, Decision(Action.NONE)),
+    (Outcome.CLAIMED_ELSEWHERE, DEFAULT, Decision(Action.REQUEUE)),
+    (Outcome.CLAIMED_ELSEWHERE, EARLY, Decision(Action.NONE)),
 ])
 def test_started_outcomes(outcome, policy, expected):
     assert decide(outcome, policy, started=True, deliveries=1) == expected

@@ -20,6 +20,8 @@ class Outcome(str, enum.Enum):
     CHILD_LOST = "child_lost"        # the child died mid-task (signal, OOM, os._exit)
     SHUTDOWN_KILLED = "shutdown_killed"  # a cold shutdown killed the child mid-task
     RETRY = "retry"                  # the retry is published (and RETRY stored)
+    ALREADY_DONE = "already_done"    # its SUCCESS (or idempotency key) is done: not run
+    CLAIMED_ELSEWHERE = "claimed_elsewhere"  # idempotent: another delivery runs it now
     IGNORED = "ignored"              # raise Ignore(): no result
     REJECTED = "rejected"            # raise Reject(requeue=False): FAILURE stored
     REJECTED_REQUEUE = "rejected_requeue"  # raise Reject(requeue=True): no result
@@ -82,8 +84,12 @@ def decide(outcome: Outcome, policy: Policy, *, started: bool, deliveries: int =
         store = {Outcome.TIME_LIMIT: Store.TIME_LIMIT, Outcome.CHILD_LOST: Store.WORKER_LOST,
                  Outcome.SHUTDOWN_KILLED: Store.WORKER_LOST}.get(outcome, Store.NOTHING)
         return Decision(Action.NONE if started else Action.ACK, store)
-    if outcome in (Outcome.SUCCEEDED, Outcome.RETRY, Outcome.IGNORED):
+    if outcome in (Outcome.SUCCEEDED, Outcome.RETRY, Outcome.IGNORED, Outcome.ALREADY_DONE):
         return Decision(Action.ACK)
+    if outcome is Outcome.CLAIMED_ELSEWHERE:
+        # The supervisor holds such a message and tries again later; settled, it would
+        # be given back uncounted (it did not run).
+        return Decision(Action.REQUEUE)
     if outcome is Outcome.REJECTED:
         return Decision(Action.DEAD_LETTER)
     if outcome is Outcome.REJECTED_REQUEUE:

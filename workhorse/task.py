@@ -101,13 +101,16 @@ class Task:
     retry_backoff: bool | int | None = None
     retry_backoff_max: float | None = None
     retry_jitter: bool | None = None
+    #: Claim the task id (True) or ``f"{name}:{idempotent(*args, **kwargs)}"`` (a function)
+    #: in the result store before running: no two runs at once, none after a success.
+    idempotent: bool | Callable[..., Any] = False
 
     OPTIONS: ClassVar[frozenset[str]] = frozenset({
         "acks_late", "reject_on_worker_lost", "acks_on_failure", "acks_on_timeout",
         "max_deliveries", "time_limit", "soft_time_limit", "track_started", "ignore_result",
         "queue", "priority", "typing", "max_retries", "default_retry_delay", "autoretry_for",
         "dont_autoretry_for", "retry_kwargs", "retry_backoff", "retry_backoff_max",
-        "retry_jitter",
+        "retry_jitter", "idempotent",
     })
 
     def __init__(self, app: App, fun: Callable[..., Any], name: str, bind: bool,
@@ -121,6 +124,10 @@ class Task:
         self.run = fun
         self.bind = bind  # type: ignore[misc]
         self._stack: list[Context] = []
+        idempotent = options.get("idempotent", False)
+        if not (isinstance(idempotent, bool) or callable(idempotent)):
+            raise TypeError(f"task {name}: idempotent must be True, False or a function of the "
+                            f"task's arguments returning its key, not {idempotent!r}")
         for key, value in options.items():
             setattr(self, key, value)
         self.__doc__ = fun.__doc__
@@ -144,6 +151,15 @@ class Task:
         if self.bind:
             return self.run(self, *args, **kwargs)
         return self.run(*args, **kwargs)
+
+    def idempotency_key(self, task_id: str, args: Sequence[Any],
+                        kwargs: Mapping[str, Any]) -> str | None:
+        """The key an idempotent task claims for one call; None if it is not idempotent."""
+        if self.idempotent is True:
+            return task_id
+        if callable(self.idempotent):
+            return f"{self.name}:{self.idempotent(*args, **kwargs)}"
+        return None
 
     # -- sending
     def check_arguments(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:

@@ -222,3 +222,29 @@ def spawn_children(self, n):
 @app.task
 def get_inside():
     return add.delay(1, 1).get(timeout=5)
+
+
+# ---------------------------------------------------------------- idempotency
+@app.task(bind=True, idempotent=True)
+def once(self, seconds=0.0):
+    """Idempotent on its task id."""
+    _record("once", self.request.id)
+    if seconds:
+        time.sleep(seconds)
+    return self.request.id
+
+
+@app.task(bind=True, idempotent=lambda order_id: f"order-{order_id}")
+def charge(self, order_id):
+    """Idempotent on its argument: one charge per order, whatever the task id."""
+    _record("charge", self.request.id)
+    return order_id
+
+
+@app.task(bind=True, idempotent=True)
+def once_dies_first(self):
+    """Killed on its first start, succeeds on its second."""
+    _record("once_dies_first", self.request.id)
+    if _starts_of(self.request.id) == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return "second time"

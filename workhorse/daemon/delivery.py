@@ -33,6 +33,8 @@ class Delivery:
     started: bool = False
     deliveries: int = 0        # starts counted, including this one once started
     timer: Any = field(default=None, repr=False)   # its ETA (or store retry) timer
+    #: An idempotent task's claim (key, owner) while its child runs it.
+    claim: tuple[str, str] | None = None
     #: While STORING: how it ends, carried out once its result is stored.
     settlement: tuple[Outcome, Decision, str | None] | None = field(default=None, repr=False)
 

@@ -30,7 +30,7 @@ from ..exceptions import (
 )
 from ..outcome import Action, Decision, Outcome, Policy, Store, decide
 from ..pool.child import Child, ChildState, describe_exit
-from ..pool.ipc import Done, Hello, Job
+from ..pool.ipc import Claimed, Done, Hello, Job
 from ..pool.limits import SOFT_LIMIT_SIGNAL, effective_limit
 from ..pool.runtime import ChildRuntime
 from ..pool.spawn import spawn
@@ -154,10 +154,8 @@ class Supervisor:
                 self._every(POLL_INTERVAL, self._poll_timer)
             if self.settings.max_memory_per_child:
                 self._every(IDLE_MEMORY_CHECK, self._check_idle_memory)
-            if self.consumer.leased:
-                self._every(self.settings.visibility_timeout / RENEWALS_PER_TIMEOUT,
-                            self._renew_leases)
-            elif self.consumer.driver is not None and self.consumer.driver.push:
+            self._every(self.settings.visibility_timeout / RENEWALS_PER_TIMEOUT, self._renew)
+            if self.consumer.driver is not None and self.consumer.driver.push:
                 self._every(min(60.0, self.settings.rabbitmq_consumer_timeout / 8),
                             self._refresh_scheduled)
             if hasattr(self.app.backend, "purge_expired"):
@@ -329,19 +327,40 @@ class Supervisor:
                           "ends or the connection closes", delivery.label)
 
     # ------------------------------------------------------------------ leases
+    def _running(self) -> list[Delivery]:
+        return [c.job for c in self.children if c is not None and c.job is not None]
+
     def _held(self) -> list[Delivery]:
         """Everything taken from the broker and not yet settled with it."""
-        running = [c.job for c in self.children if c is not None and c.job is not None]
-        return [d for d in (*self.buffer, *self.scheduled, *running, *self.storing)
+        return [d for d in (*self.buffer, *self.scheduled, *self._running(), *self.storing)
                 if not d.acked]
 
-    def _renew_leases(self) -> None:
-        """SQLite, Redis: keep what we hold from being handed to another worker."""
+    def _renew(self) -> None:
+        """Keep what we hold from being handed to another worker (SQLite and Redis leases),
+        and the claims of idempotent tasks running here from lapsing."""
         held = self._held()
-        lost = {id(m) for m in self.consumer.renew([d.message for d in held])}
-        for delivery in held:
-            if id(delivery.message) in lost:
-                self._lease_lost(delivery)
+        if self.consumer.leased:
+            lost = {id(m) for m in self.consumer.renew([d.message for d in held])}
+            for delivery in held:
+                if id(delivery.message) in lost:
+                    self._lease_lost(delivery)
+        claims = {d.claim[0]: d.claim[1] for d in self._running() if d.claim is not None}
+        if claims:
+            for key in self.app.backend.renew_claims(claims, self.settings.visibility_timeout):
+                log.warning("idempotency claim on %r lost (not renewed in time): another "
+                            "delivery may start it", key)
+
+    def _release_claim(self, delivery: Delivery) -> None:
+        """Its child is gone without ending the claim: let another delivery take it now."""
+        if delivery.claim is None:
+            return
+        key, owner = delivery.claim
+        delivery.claim = None
+        try:
+            self.app.backend.release_claim(key, owner)
+        except Exception as exc:  # noqa: BLE001 - it lapses on its own
+            log.warning("%s: could not release idempotency claim %r (%r); it lapses in %.0f s",
+                        delivery.label, key, exc, self.settings.visibility_timeout)
 
     def _lease_lost(self, delivery: Delivery) -> None:
         """Our lease ran out (renewals failed for a whole visibility_timeout): the broker may
@@ -412,6 +431,9 @@ class Supervisor:
         for frame in child.handle.receive():
             if isinstance(frame, Hello):
                 child.on_hello()
+            elif isinstance(frame, Claimed):
+                if child.job is not None and child.job.seq == frame.seq:
+                    child.job.claim = (frame.key, frame.owner)
             elif isinstance(frame, Done):
                 self._on_done(child, frame)
         if child.handle.at_eof:
@@ -427,7 +449,9 @@ class Supervisor:
                   message.content_encoding, dict(message.headers or {}),
                   dict(message.delivery_info or {}), self._track_started(task),
                   delivery.queue, (message.properties or {}).get("priority"),
-                  delivery.policy.acks_late)
+                  delivery.policy.acks_late,
+                  claim_owner=f"{self.hostname}:{os.getpid()}:{delivery.seq}",
+                  claim_ttl=self.settings.visibility_timeout)
         now = time.monotonic()
         try:
             child.assign(delivery, job, now)
@@ -486,8 +510,25 @@ class Supervisor:
             timer.cancel()
         child.timers.clear()
         self._crashes[child.index] = 0
-        self._settle(delivery, Outcome(done.outcome), done.detail)
-        self._maybe_recycle(child)
+        delivery.claim = None       # the child ended it
+        outcome = Outcome(done.outcome)
+        if outcome is Outcome.CLAIMED_ELSEWHERE and not delivery.acked:
+            self._recheck_later(delivery)
+        else:
+            self._settle(delivery, outcome, done.detail)
+        if not child.handle.at_eof:     # else it is exiting already
+            self._maybe_recycle(child)
+
+    def _recheck_later(self, delivery: Delivery) -> None:
+        """An idempotent task's key is held by a run in progress elsewhere: hold this copy
+        (it did not run: not a delivery that counts) and look again when that run has
+        ended or its claim has lapsed."""
+        delivery.started = False
+        delivery.deliveries = delivery.request.deliveries
+        delay = self.settings.visibility_timeout / 2
+        log.info("%s: its idempotency key is held by another delivery; looking again in "
+                 "%.0f s", delivery.label, delay)
+        self._schedule(delivery, delay)
 
     def _maybe_recycle(self, child: Child) -> None:
         s = self.settings
@@ -547,6 +588,8 @@ class Supervisor:
                 self._on_child_exit(child, code)
 
     def _on_child_exit(self, child: Child, code: int) -> None:
+        if not child.handle.at_eof:
+            self._on_child_readable(child)   # what it wrote before dying (Done, Claimed)
         expected = child.state is ChildState.STOPPING and child.kill_reason is None
         delivery = child.on_exit(code)
         for timer in child.timers:
@@ -558,6 +601,7 @@ class Supervisor:
             outcome = child.kill_reason or Outcome.CHILD_LOST
             log.error("child %d (pid %d) %s while running %s", child.index + 1, child.pid, how,
                       delivery.label)
+            self._release_claim(delivery)
             self._settle(delivery, outcome, f"child {how}")
         elif not expected and child.kill_reason is None:
             log.error("child %d (pid %d) %s", child.index + 1, child.pid, how)

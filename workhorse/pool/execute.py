@@ -24,11 +24,12 @@ from ..exceptions import (
     Retry,
 )
 from ..outcome import Outcome
-from ..protocol import decode_body, parse_request
+from ..backends import Claim
+from ..protocol import Request, decode_body, parse_request
 from ..states import FAILURE, SUCCESS
 from ..retrying import retry_countdown, should_autoretry
 from ..task import Context, Task
-from .ipc import Job
+from .ipc import Claimed, Job
 
 if TYPE_CHECKING:
     from ..app import App
@@ -46,11 +47,14 @@ class TaskExecution:
     """One job in one child. ``armed`` arms the soft time limit around the task body."""
 
     def __init__(self, app: App, job: Job, hostname: str,
-                 armed: Callable[[], AbstractContextManager[None]]) -> None:
+                 armed: Callable[[], AbstractContextManager[None]],
+                 report: Callable[[object], None]) -> None:
         self.app = app
         self.job = job
         self.hostname = hostname
         self.armed = armed
+        self.report = report                  # sends a frame to the supervisor
+        self.claim_key: str | None = None     # the idempotency key this run holds
 
     def run(self) -> Finished:
         job = self.job
@@ -81,13 +85,75 @@ class TaskExecution:
         self.store = not (task.ignore_result or request.ignore_result)
         task.push_request(self.context)
         try:
-            return self._run(task, args, kwargs)
+            skip = self._already_done(request) or self._claim(task, request.id, args, kwargs)
+            if skip is not None:
+                return skip
+            finished = self._run(task, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - the result store failed
             log.error("Task %s: result store error, the message goes back to the broker: %r",
                       self.label, exc)
-            return Finished(Outcome.STORE_FAILED, repr(exc))
+            finished = Finished(Outcome.STORE_FAILED, repr(exc))
         finally:
             task.pop_request()
+        self._end_claim(finished)
+        return finished
+
+    # ------------------------------------------------------------------ duplicates
+    def _already_done(self, request: Request) -> Finished | None:
+        """A redelivered message whose SUCCESS is stored already is acked, not run again."""
+        job = self.job
+        redelivered = (request.deliveries > 0 or job.delivery_info.get("redelivered")
+                       or job.headers.get("redelivered"))
+        if not (redelivered and self.store):
+            return None
+        if self.app.backend.get_task_meta(request.id)["status"] != SUCCESS:
+            return None
+        log.warning("Task %s: redelivered, but its SUCCESS is stored already; acked without "
+                    "running it again", self.label)
+        return Finished(Outcome.ALREADY_DONE, "its SUCCESS was stored already")
+
+    def _claim(self, task: Task, task_id: str, args: list[Any],
+               kwargs: dict[str, Any]) -> Finished | None:
+        """Idempotent tasks claim their key first: none runs twice at once or after success."""
+        try:
+            key = task.idempotency_key(task_id, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - the key function is the task's own code
+            return self._failed(exc, traceback.format_exc(), 0.0)
+        if key is None:
+            return None
+        job = self.job
+        claim = self.app.backend.claim(key, job.claim_owner, job.claim_ttl)
+        if claim is Claim.DONE:
+            log.warning("Task %s: idempotency key %r finished already; acked without running",
+                        self.label, key)
+            backend = self.app.backend
+            if self.store and backend.get_task_meta(task_id)["status"] != SUCCESS:
+                # Another task id with the same key succeeded: do not leave this one PENDING.
+                backend.mark_as_revoked(task_id, f"idempotency key {key!r} is done: another "
+                                        "run of it succeeded", request=self.info)
+            return Finished(Outcome.ALREADY_DONE, f"idempotency key {key!r} is done")
+        if claim is Claim.HELD:
+            log.info("Task %s: idempotency key %r is held by a run in progress elsewhere",
+                     self.label, key)
+            return Finished(Outcome.CLAIMED_ELSEWHERE, key)
+        self.claim_key = key
+        self.report(Claimed(job.seq, key, job.claim_owner))
+        return None
+
+    def _end_claim(self, finished: Finished) -> None:
+        """A success makes the key done for good; anything else lets it run again."""
+        key, owner = self.claim_key, self.job.claim_owner
+        if key is None:
+            return
+        backend = self.app.backend
+        try:
+            if finished.outcome is Outcome.SUCCEEDED:
+                backend.finish_claim(key, owner)
+            else:
+                backend.release_claim(key, owner)
+        except Exception as exc:  # noqa: BLE001 - the claim lapses on its own
+            log.error("Task %s: could not end its claim on idempotency key %r (%r); it lapses "
+                      "after %.0f s", self.label, key, exc, self.job.claim_ttl)
 
     # ------------------------------------------------------------------ outcomes
     def _run(self, task: Task, args: list[Any], kwargs: dict[str, Any]) -> Finished:

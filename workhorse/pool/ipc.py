@@ -31,6 +31,9 @@ class Job:
     queue: str = ""
     priority: int | None = None
     acks_late: bool = True
+    #: Idempotent tasks: who claims the task's key for this run, and for how long.
+    claim_owner: str = ""
+    claim_ttl: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,15 @@ class Hello:
     """Child → supervisor: set up and ready for jobs."""
 
     pid: int
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """Child → supervisor: an idempotent task claimed its key; renew it while it runs."""
+
+    seq: int
+    key: str
+    owner: str
 
 
 @dataclass(frozen=True)

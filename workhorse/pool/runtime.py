@@ -100,7 +100,8 @@ class ChildRuntime:
 
     # -- one task
     def execute(self, job: Job) -> Done:
-        execution = TaskExecution(self.app, job, self.hostname, self.soft_limit.armed_around_task)
+        execution = TaskExecution(self.app, job, self.hostname, self.soft_limit.armed_around_task,
+                                  self.send)
         self.set_title(f"running {job.task}[{job.headers.get('id')}]")
         finished = execution.run()
         try:
