@@ -1,8 +1,15 @@
 """The supervisor's broker connection: fetching messages and settling them.
 
-It never blocks waiting for messages. The loop watches ``fds()`` and calls ``pump()`` when
-one is readable (and, for brokers without a socket to watch, on a short timer); ``pump``
-drains what is already there with kombu's ``drain_events(timeout=0)``.
+It never blocks waiting for messages. The loop watches ``fds()`` and calls ``on_readable``
+when one is readable (and, for brokers without a socket to watch, ``poll`` on a short
+timer); both drain what is already there with kombu's ``drain_events(timeout=0)``.
+
+A lost connection is never raised into the loop: the consumer forgets the connection and
+calls ``on_lost``; the supervisor reconnects with ``connect`` on its own schedule. The
+broker objects of the old connection are not closed (closing a kombu Redis channel puts
+back every message it delivered, though our running tasks still hold them): messages
+received through it are settled, and their leases renewed, through their own channel,
+which on Redis reconnects by itself once the server answers again.
 """
 from __future__ import annotations
 
@@ -39,6 +46,11 @@ POLL_INTERVAL = 0.05
 RESTORE_SWEEP_INTERVAL = 2.0
 
 OnMessage = Callable[[str, Message], None]
+OnLost = Callable[[BaseException], None]
+
+
+class BrokerUnavailable(ConnectionError):
+    """The worker is between broker connections."""
 
 
 def dead_letter_queue(queue: str) -> str:
@@ -46,10 +58,20 @@ def dead_letter_queue(queue: str) -> str:
 
 
 class BrokerConsumer:
-    def __init__(self, app: App, queues: list[str], on_message: OnMessage) -> None:
+    def __init__(self, app: App, queues: list[str], on_message: OnMessage,
+                 on_lost: OnLost) -> None:
         self.app = app
         self.queues = queues
         self.on_message = on_message
+        self.on_lost = on_lost
+        #: Bumped by each connect: periodic work for an older connection stops.
+        self.generation = 0
+        #: Does the broker lease what we hold (SQLite, Redis)? Does it push messages up to a
+        #: credit and take back what a lost connection held (AMQP)? Known once connected.
+        self.leased = False
+        self.push = False
+        self._channels: set[Any] = set()      # the current connection's channels
+        self._error_types: tuple[type[BaseException], ...] = ()
         self.connection: Connection | None = None
         self.consumers: list[Consumer] = []
         self.producer: Producer | None = None
@@ -61,11 +83,14 @@ class BrokerConsumer:
         self._queues_ready: set[str] = set()
 
     # -- lifecycle
-    def connect(self, prefetch_count: int, has_room: Callable[[], bool]) -> None:
+    def connect(self, prefetch_count: int, has_room: Callable[[], bool], *,
+                retries: int = 3) -> None:
         """Connect and start consuming. ``has_room``: the supervisor's own count says it may
-        take one more message (brokers we poll ask it before each fetch)."""
+        take one more message (brokers we poll ask it before each fetch). Raises when the
+        broker cannot be reached (after ``retries`` quick retries)."""
         connection = self.app.connection()
-        connection.ensure_connection(max_retries=3, interval_start=0.2, interval_step=0.5)
+        connection.ensure_connection(max_retries=retries, interval_start=0.2,
+                                     interval_step=0.5)
         channel = connection.channel()
         self.connection = connection
         self.driver = _driver_for(connection)
@@ -90,8 +115,60 @@ class BrokerConsumer:
         for consumer in self.consumers:
             consumer.consume()
         self.producer = Producer(connection.channel())
+        self._channels = {channel, self.producer.channel}
+        self.leased = hasattr(channel, "renew")
+        self.push = self.driver.push
+        self._error_types = self._errors()
         self.consuming = True
         self.paused = False
+        self.generation += 1
+
+    @property
+    def connected(self) -> bool:
+        return self.connection is not None
+
+    def _errors(self) -> tuple[type[BaseException], ...]:
+        assert self.connection is not None
+        return self.connection.connection_errors + self.connection.channel_errors
+
+    def is_connection_error(self, exc: BaseException) -> bool:
+        """Is ``exc`` the broker's connection failing (expected while it is down)?"""
+        return isinstance(exc, self._error_types + (BrokerUnavailable,))
+
+    def _lost(self, exc: BaseException) -> None:
+        """The connection is gone: forget it (without closing: see the module docstring)
+        and tell the supervisor."""
+        if self.connection is None:
+            return
+        self.connection = None
+        self.driver = None
+        self.consumers = []
+        self.producer = None
+        self._channels = set()
+        self.consuming = False
+        self.paused = False
+        self.on_lost(exc)
+
+    def _guarded(self, function: Callable[..., Any], *args: Any) -> Any:
+        """Call a fetch-side function; a lost connection is reported, not raised."""
+        if self.connection is None:
+            return None
+        try:
+            return function(*args)
+        except self._errors() as exc:
+            self._lost(exc)
+            return None
+
+    def _settling(self, channel: Any, function: Callable[[], None]) -> None:
+        """Call a settle-side function on ``channel``; errors are raised (the caller logs
+        them), and one on the current connection also counts as losing it."""
+        try:
+            function()
+        except BaseException as exc:
+            if (self.connection is not None and channel in self._channels
+                    and isinstance(exc, self._errors())):
+                self._lost(exc)
+            raise
 
     def close(self) -> None:
         """Close the connection; the broker gets back whatever is still unacknowledged."""
@@ -115,16 +192,13 @@ class BrokerConsumer:
             return
         self.consuming = False
         for consumer in self.consumers:
-            try:
-                consumer.cancel()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("could not cancel consuming from %s: %r", consumer.queues, exc)
+            self._guarded(consumer.cancel)
 
     # -- fetching
     def tick(self) -> None:
         """Before each wait: let the driver (re)issue what it needs, e.g. Redis's BRPOP."""
         if self.driver is not None and self.consuming:
-            self.driver.tick()
+            self._guarded(self.driver.tick)
 
     def fds(self) -> set[int]:
         """The sockets to watch right now (Redis changes them on reconnect)."""
@@ -132,7 +206,7 @@ class BrokerConsumer:
 
     def on_readable(self, fd: int) -> None:
         if self.driver is not None:
-            self.driver.on_readable(fd)
+            self._guarded(self.driver.on_readable, fd)
 
     @property
     def polled(self) -> bool:
@@ -141,11 +215,14 @@ class BrokerConsumer:
 
     def poll(self) -> None:
         if self.driver is not None and self.consuming:
-            _drain(self.driver.connection)
+            self._guarded(_drain, self.driver.connection)
 
     def periodic(self) -> list[tuple[float, Callable[[], None]]]:
-        """Housekeeping the driver needs every so often: (interval, function)."""
-        return self.driver.periodic() if self.driver is not None else []
+        """Housekeeping the current connection's driver needs every so often."""
+        if self.driver is None:
+            return []
+        return [(interval, partial(self._guarded, function))
+                for interval, function in self.driver.periodic()]
 
     def set_credit(self, count: int) -> None:
         """How many unacknowledged messages the broker may have out with us (push brokers).
@@ -161,65 +238,78 @@ class BrokerConsumer:
         if count == 0:
             self.paused = True
             for consumer in self.consumers:
-                consumer.cancel()
+                self._guarded(consumer.cancel)
             return
-        self.driver.send_qos(self.consumers[0].channel, count)
+        self._guarded(self.driver.send_qos, self.consumers[0].channel, count)
         if self.paused:
             self.paused = False
             for consumer in self.consumers:
-                consumer.consume()
+                self._guarded(consumer.consume)
 
     # -- leases
-    @property
-    def leased(self) -> bool:
-        """Does the broker lease what we hold, so that we must renew it (SQLite, Redis)?"""
-        return bool(self.consumers) and hasattr(self.consumers[0].channel, "renew")
-
     def renew(self, messages: list[Message]) -> list[Message]:
-        """Renew the leases of held messages; return those whose lease was lost (another
-        worker may hold them now: they must not be run or settled here)."""
-        if not messages or not self.leased:
-            return []
-        by_tag = {m.delivery_tag: m for m in messages}
-        return [by_tag[tag] for tag in self.consumers[0].channel.renew(list(by_tag))]
+        """Renew the leases of held messages, each through the channel it came from; return
+        those whose lease was lost (another worker may hold them now: they must not be run
+        or settled here). A channel that cannot be reached now is tried again next time."""
+        by_channel: dict[Any, dict[str, Message]] = {}
+        for message in messages:
+            if hasattr(message.channel, "renew"):
+                by_channel.setdefault(message.channel, {})[message.delivery_tag] = message
+        lost: list[Message] = []
+        for channel, by_tag in by_channel.items():
+            if channel in self._channels:
+                tags = self._guarded(channel.renew, list(by_tag)) or []
+            else:
+                try:
+                    tags = channel.renew(list(by_tag))
+                except Exception as exc:  # noqa: BLE001 - an old connection, still down
+                    log.debug("renewing leases of an earlier connection: %r", exc)
+                    continue
+            lost += [by_tag[tag] for tag in tags]
+        return lost
 
     # -- settling
     def ack(self, message: Message) -> None:
-        message.ack()
+        self._settling(message.channel, message.ack)
 
     def requeue(self, message: Message) -> None:
         """Back to the queue, unchanged: not a delivery that counts."""
-        message.reject(requeue=True)
+        self._settling(message.channel, partial(message.reject, requeue=True))
 
     def republish(self, queue: str, message: Message, headers: Mapping[str, Any], *,
                   exchange: str = "") -> None:
         """Publish a copy with extra headers (to ``queue``, or through ``exchange`` with
         routing key ``queue``); the caller then acks the original."""
-        assert self.producer is not None and self.connection is not None
-        if not exchange and queue not in self._queues_ready:
-            ensure_queue(self.connection, queue)
-            self._queues_ready.add(queue)
+        producer, connection = self.producer, self.connection
+        if producer is None or connection is None:
+            raise BrokerUnavailable("not connected to the broker (reconnecting)")
         merged = dict(message.headers or {})
         merged.update(headers)
         properties = {k: message.properties[k] for k in _KEPT_PROPERTIES
                       if message.properties.get(k) is not None}
-        self.producer.publish(
-            message.body, exchange=exchange, routing_key=queue, headers=merged,
-            content_type=message.content_type, content_encoding=message.content_encoding,
-            delivery_mode=2, retry=True,
-            retry_policy={"max_retries": 5, "interval_start": 0.1, "interval_max": 1.0},
-            **properties)
+
+        def publish() -> None:
+            if not exchange and queue not in self._queues_ready:
+                ensure_queue(connection, queue)
+                self._queues_ready.add(queue)
+            producer.publish(
+                message.body, exchange=exchange, routing_key=queue, headers=merged,
+                content_type=message.content_type, content_encoding=message.content_encoding,
+                delivery_mode=2, retry=True,
+                retry_policy={"max_retries": 5, "interval_start": 0.1, "interval_max": 1.0},
+                **properties)
+        self._settling(producer.channel, publish)
 
     def hand_back(self, queue: str, message: Message) -> None:
         """A fresh copy to the end of its queue, then ack: not a delivery that counts (its
         headers, delivery count included, are kept)."""
         self.republish(queue, message, {})
-        message.ack()
+        self.ack(message)
 
     def requeue_counted(self, queue: str, message: Message, deliveries: int) -> None:
         """Back to the queue as a delivery that counts: a copy carrying the count, then ack."""
         self.republish(queue, message, {DELIVERIES_HEADER: deliveries})
-        message.ack()
+        self.ack(message)
 
     def dead_letter(self, queue: str, message: Message, reason: str, task_id: str | None,
                     worker: str, *, acked: bool) -> None:
@@ -240,7 +330,7 @@ class BrokerConsumer:
         else:
             self.republish(dead_letter_queue(queue), message, headers)
         if not acked:
-            message.ack()
+            self.ack(message)
 
 
 def _drain(connection: Connection, max_messages: int = 1000) -> None:

@@ -58,6 +58,12 @@ CRASH_BACKOFF_START = 0.1
 CRASH_BACKOFF_MAX = 10.0
 #: How often the worker deletes expired results from stores that do not expire them.
 RESULT_PURGE_INTERVAL = 300.0
+#: Reconnecting to a lost broker backs off from this delay, doubling, up to the cap.
+RECONNECT_BACKOFF_START = 0.5
+RECONNECT_BACKOFF_MAX = 30.0
+#: A message whose task id is running here already (RabbitMQ gave it back when the
+#: connection was lost, and delivered it again) waits this long before it is looked at.
+SAME_ID_RECHECK = 1.0
 #: How often idle children's memory is compared with max_memory_per_child.
 IDLE_MEMORY_CHECK = 2.0
 #: Leases are renewed this many times per visibility_timeout.
@@ -84,7 +90,8 @@ class Supervisor:
         self.window: int = settings.concurrency * settings.prefetch_multiplier
         self.loop = Loop()
         self.signals = SignalPipe(HANDLED_SIGNALS)
-        self.consumer = BrokerConsumer(app, list(settings.queues), self.on_message)
+        self.consumer = BrokerConsumer(app, list(settings.queues), self.on_message,
+                                       self.on_broker_lost)
         self.children: list[Child | None] = [None] * self.concurrency
         self.inbox: deque[tuple[str, Message]] = deque()   # received, not yet looked at
         self.buffer: deque[Delivery] = deque()
@@ -101,6 +108,7 @@ class Supervisor:
         self._baseline_fds: set[int] = set()
         self._want_poll = False
         self._paused_until = 0.0   # monotonic; fetching stops until then (max_scheduled)
+        self._reconnects = 0       # failed attempts since the connection was lost
 
     # ------------------------------------------------------------------ running
     @property
@@ -148,14 +156,13 @@ class Supervisor:
             self._log_banner()
             for index in range(self.concurrency):
                 self._spawn(index)
-            for interval, function in self.consumer.periodic():
-                self._every(interval, function)
+            self._start_broker_housekeeping()
             if self.consumer.polled:
                 self._every(POLL_INTERVAL, self._poll_timer)
             if self.settings.max_memory_per_child:
                 self._every(IDLE_MEMORY_CHECK, self._check_idle_memory)
             self._every(self.settings.visibility_timeout / RENEWALS_PER_TIMEOUT, self._renew)
-            if self.consumer.driver is not None and self.consumer.driver.push:
+            if self.consumer.push:
                 self._every(min(60.0, self.settings.rabbitmq_consumer_timeout / 8),
                             self._refresh_scheduled)
             if hasattr(self.app.backend, "purge_expired"):
@@ -191,9 +198,14 @@ class Supervisor:
         log.info("state directory: %s", s.state_dir)
         log.info("tasks: %s", ", ".join(sorted(self.app.tasks)) or "(none registered)")
 
-    def _every(self, interval: float, function: Callable[[], None]) -> None:
+    def _every(self, interval: float, function: Callable[[], None],
+               generation: int | None = None) -> None:
+        """Call ``function`` every ``interval`` s (while the broker connection of
+        ``generation`` lasts, if given)."""
         def fire() -> None:
             if self.phase is Phase.STOPPED:
+                return
+            if generation is not None and generation != self.consumer.generation:
                 return
             try:
                 function()
@@ -201,6 +213,52 @@ class Supervisor:
                 log.exception("periodic %s failed", getattr(function, "__name__", function))
             self.loop.call_later(interval, fire)
         self.loop.call_later(interval, fire)
+
+    def _start_broker_housekeeping(self) -> None:
+        generation = self.consumer.generation
+        for interval, function in self.consumer.periodic():
+            self._every(interval, function, generation)
+
+    # ------------------------------------------------------------------ broker loss
+    def on_broker_lost(self, exc: BaseException) -> None:
+        """Running tasks go on; what is only buffered or scheduled is the broker's again if
+        the broker took it back (RabbitMQ does when a connection closes; SQLite and Redis
+        keep our leases, which we go on renewing); we reconnect with back-off."""
+        dropped = 0
+        if self.consumer.push:
+            for delivery in [*self.buffer, *self.scheduled]:
+                if delivery.timer is not None:
+                    delivery.timer.cancel()
+                delivery.stage = Stage.SETTLED
+                dropped += 1
+            self.buffer.clear()
+            self.scheduled.clear()
+        log.error("broker connection lost (%r): %d running tasks go on%s; reconnecting",
+                  exc, self.running,
+                  f", {dropped} buffered or scheduled messages are back with the broker"
+                  if dropped else "")
+        systemd.notify(f"STATUS=broker connection lost ({exc!r}); reconnecting")
+        self._reconnects = 0
+        self.loop.call_later(0, self._reconnect)
+
+    def _reconnect(self) -> None:
+        if self.phase is not Phase.RUNNING or self.consumer.connected:
+            return
+        try:
+            self.consumer.connect(self.window, self.has_room, retries=0)
+        except Exception as exc:  # noqa: BLE001 - unreachable still: try again later
+            delay = min(RECONNECT_BACKOFF_START * 2 ** self._reconnects, RECONNECT_BACKOFF_MAX)
+            self._reconnects += 1
+            log.warning("broker still unreachable (%r); attempt %d failed, next in %.1f s",
+                        exc, self._reconnects, delay)
+            self.loop.call_later(delay, self._reconnect)
+            return
+        log.info("broker connection restored after %d failed attempts; consuming %s",
+                 self._reconnects, ", ".join(self.settings.queues))
+        systemd.notify(f"STATUS=consuming {', '.join(self.settings.queues)}")
+        self._start_broker_housekeeping()
+        self._update_flow()
+        self._want_poll = True
 
     def _before_wait(self) -> None:
         if self.phase is Phase.RUNNING:
@@ -327,6 +385,9 @@ class Supervisor:
                           "ends or the connection closes", delivery.label)
 
     # ------------------------------------------------------------------ leases
+    def _running_here(self, task_id: str) -> bool:
+        return any(d.request.id == task_id for d in (*self._running(), *self.storing))
+
     def _running(self) -> list[Delivery]:
         return [c.job for c in self.children if c is not None and c.job is not None]
 
@@ -470,7 +531,11 @@ class Supervisor:
             # room for one more; shrink its credit first (same channel, so in that order).
             delivery.acked = True
             self._update_flow()
-            self.consumer.ack(message)
+            try:
+                self.consumer.ack(message)
+            except Exception as exc:  # noqa: BLE001 - it runs anyway: it has started
+                log.warning("%s: could not ack it at start (%r); the broker may deliver it "
+                            "again", delivery.label, exc)
         hard, soft = self._limits(delivery)
         if soft:
             child.timers.append(self.loop.call_at(now + soft, lambda: self._soft_limit(child, delivery)))
@@ -566,6 +631,11 @@ class Supervisor:
             while self.buffer and child is not None and child.state is ChildState.IDLE:
                 delivery = self.buffer.popleft()
                 if self._expired(delivery):   # it waited (ETA, buffer) past its expiry
+                    continue
+                if self._running_here(delivery.request.id):
+                    log.info("%s: a copy of it runs here already; looking again in %.0f s",
+                             delivery.label, SAME_ID_RECHECK)
+                    self._schedule(delivery, SAME_ID_RECHECK)
                     continue
                 self._start(child, delivery)
             if not self.buffer:
@@ -699,9 +769,14 @@ class Supervisor:
                 log.error("%s: dead-lettered to %s.dead: %s", delivery.label, queue, reason)
                 self.consumer.dead_letter(queue, message, reason, delivery.request.id,
                                           self.hostname, acked=delivery.acked)
-        except Exception:  # noqa: BLE001 - the broker decides what happens to it now
-            log.exception("%s: could not %s the message; the broker will deliver it again",
-                          delivery.label, decision.action.value)
+        except Exception as exc:  # noqa: BLE001 - the broker decides what happens to it now
+            if self.consumer.is_connection_error(exc):
+                log.warning("%s: could not %s the message, its broker connection is gone "
+                            "(%r); the broker will deliver it again", delivery.label,
+                            decision.action.value, exc)
+            else:
+                log.exception("%s: could not %s the message; the broker will deliver it "
+                              "again", delivery.label, decision.action.value)
         self._want_poll = True
         if delivery.acked and delivery.started:
             self._update_flow()

@@ -62,16 +62,36 @@ class QoS(redis.QoS):
         super().__init__(*args, **kwargs)
         #: tag -> the score of our lease; None once the lease is lost (or put back).
         self._scores: dict[str, float | None] = {}
+        #: tag -> its unacked entry, for messages popped from their list while Redis went
+        #: away before the entry could be written: written by the next renew().
+        self._unrecorded: dict[str, str] = {}
 
     def append(self, message: Any, delivery_tag: str) -> None:
         delivery = message.delivery_info
         score = time()
-        with self.pipe_or_acquire() as pipe:
-            pipe.zadd(self.unacked_index_key, {delivery_tag: score}).hset(
-                self.unacked_key, delivery_tag,
-                dumps([message._raw, delivery["exchange"], delivery["routing_key"]])).execute()
+        entry = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
         self._scores[delivery_tag] = score
+        try:
+            self._record(delivery_tag, entry, score)
+        except self.channel.connection_errors as exc:
+            # BRPOP took it off its list already: dropping it here would lose it. Keep it
+            # (it is delivered and runs) and record its lease once Redis answers again.
+            log.warning("message %s: received, but its lease could not be recorded (%r); "
+                        "recorded once Redis answers again", delivery_tag, exc)
+            self._unrecorded[delivery_tag] = entry
         virtual.QoS.append(self, message, delivery_tag)
+
+    def _record(self, tag: str, entry: str, score: float) -> None:
+        with self.pipe_or_acquire() as pipe:
+            pipe.zadd(self.unacked_index_key, {tag: score}).hset(
+                self.unacked_key, tag, entry).execute()
+
+    def _record_late(self) -> None:
+        for tag, entry in list(self._unrecorded.items()):
+            score = self._scores.get(tag)
+            if score is not None:
+                self._record(tag, entry, score)
+            del self._unrecorded[tag]
 
     def ack(self, delivery_tag: str) -> None:
         self._forget_if_ours(delivery_tag)
@@ -116,6 +136,7 @@ class QoS(redis.QoS):
                 self.channel._do_restore_message(message, exchange, routing_key, pipe, leftmost)
 
         if not lost:
+            self._record_late()
             with self.channel.conn_or_acquire(client) as client:
                 client.transaction(restore, self.unacked_key, self.unacked_index_key)
         if lost:
@@ -123,6 +144,7 @@ class QoS(redis.QoS):
                         "delivered elsewhere is left alone", tag)
 
     def _forget_if_ours(self, tag: str) -> None:
+        self._record_late()           # (an unrecorded lease is written, then removed)
         if tag not in self._scores:   # not delivered through this QoS: kombu's removal
             self._remove_from_indices(tag).execute()
             return
@@ -138,6 +160,7 @@ class QoS(redis.QoS):
 
     def renew(self, tags: Iterable[str]) -> list[str]:
         """Move our leases' scores to now; return the tags whose lease is lost."""
+        self._record_late()
         held = [(tag, self._scores.get(tag)) for tag in tags]
         lost = {tag for tag, score in held if score is None}
         held = [(tag, score) for tag, score in held if score is not None]

@@ -1,0 +1,97 @@
+"""Broker connection loss (SEMANTICS.md "Duplicates"): the worker keeps running its tasks,
+reconnects with back-off, resumes consuming, and settles what finished meanwhile without
+losing it or running it twice. Redis runs as the test's own server, so it can be killed
+and restarted; RabbitMQ's connections are closed by rabbitmqctl."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import uuid
+
+import pytest
+import redis
+
+from .conftest import BrokerEnv, wait_until
+from .test_delivery import starts
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def redis_broker(tmp_path, private_redis, monkeypatch):
+    """The test app on a Redis broker the test can stop, kill and restart."""
+    broker = BrokerEnv("redis", private_redis.url(), f"t-{uuid.uuid4().hex[:10]}")
+    monkeypatch.setenv("WORKHORSE_BROKER_URL", broker.url)
+    monkeypatch.setenv("WORKHORSE_RESULT_BACKEND", f"sqlite:///{tmp_path / 'results.sqlite3'}")
+    monkeypatch.setenv("WORKHORSE_QUEUES", broker.queue)
+    monkeypatch.setenv("WORKHORSE_STATE_DIR", str(tmp_path / "state"))
+    from tests.apps import basic
+    basic.app.configure()
+    yield broker, basic
+    basic.app.close()
+
+
+def _all_ran_once(tmp_path, results, timeout: float = 60) -> None:
+    for result in results:
+        assert result.get(timeout=timeout) == result.id
+    counts = {r.id: starts(tmp_path, r.id) for r in results}
+    assert set(counts.values()) == {1}, counts
+
+
+def test_killed_redis_connections_are_reconnected_and_consumption_resumes(
+        tmp_path, start_worker, redis_broker, private_redis):
+    broker, basic = redis_broker
+    worker = start_worker(broker, concurrency=2)
+    before = [basic.record.delay(1.0) for _ in range(4)]
+    wait_until(lambda: len(list(tmp_path.glob("runs.log"))) == 1, 20, "tasks to start")
+    killed = redis.Redis(port=private_redis.port).client_kill_filter(_type="normal")
+    assert killed >= 1
+    worker.wait_for_log("broker connection lost", 20)
+    worker.wait_for_log("broker connection restored", 20)
+    after = [basic.record.delay() for _ in range(4)]
+    _all_ran_once(tmp_path, before + after)
+    assert broker.queue_size() == 0
+
+
+def test_a_redis_restart_mid_run_loses_nothing(tmp_path, start_worker, redis_broker,
+                                               private_redis):
+    """Redis is killed while tasks run and buffered ones wait, and comes back (from its
+    append-only file) a few seconds later: every task completes, each once."""
+    broker, basic = redis_broker
+    worker = start_worker(broker, concurrency=2, prefetch_multiplier=4)
+    before = [basic.record.delay(0.5) for _ in range(8)]
+    wait_until(lambda: len(list(tmp_path.glob("runs.log"))) == 1, 20, "tasks to start")
+    private_redis.kill()
+    worker.wait_for_log("broker connection lost", 20)
+    worker.wait_for_log("broker still unreachable", 20)
+    private_redis.start()
+    worker.wait_for_log("broker connection restored", 60)
+    after = [basic.record.delay() for _ in range(4)]
+    _all_ran_once(tmp_path, before + after, timeout=90)
+    assert worker.proc.poll() is None
+    assert broker.queue_size() == 0
+
+
+def _close_rabbitmq_connections() -> None:
+    if shutil.which("rabbitmqctl") is None:
+        pytest.skip("rabbitmqctl is not installed here: cannot close RabbitMQ connections")
+    subprocess.run(["rabbitmqctl", "close_all_connections", "workhorse test"], check=True,
+                   capture_output=True, timeout=60)
+
+
+@pytest.mark.parametrize("broker", ["amqp"], indirect=True)
+def test_closed_rabbitmq_connections_are_reconnected_and_nothing_runs_twice(
+        broker, client, start_worker, tmp_path):
+    """RabbitMQ takes back what the closed connection held (running tasks included) and
+    delivers it again: buffered copies run once, and running ones are acked without
+    running again once their SUCCESS is stored."""
+    from tests.apps.basic import record
+    worker = start_worker(broker, concurrency=2, prefetch_multiplier=4)
+    before = [record.delay(1.5) for _ in range(6)]
+    wait_until(lambda: len(list(tmp_path.glob("runs.log"))) == 1, 20, "tasks to start")
+    _close_rabbitmq_connections()
+    worker.wait_for_log("broker connection lost", 20)
+    worker.wait_for_log("broker connection restored", 30)
+    after = [record.delay() for _ in range(4)]
+    _all_ran_once(tmp_path, before + after)
+    wait_until(lambda: broker.queue_size() == 0, 20, "the queue to drain")
