@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from queue import Empty
+from time import monotonic
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from functools import partial
@@ -28,6 +28,7 @@ from kombu.message import Message
 from ..app import App
 from ..queues import DeadLetterTarget, ensure_queue, rabbitmq_dead_letter_target
 from ..protocol import DELIVERIES_HEADER
+from ..transport.redis import Channel as RedisChannel, ListWaiter
 
 log = logging.getLogger("workhorse.consumer")
 
@@ -93,7 +94,7 @@ class BrokerConsumer:
                                      interval_step=0.5)
         channel = connection.channel()
         self.connection = connection
-        self.driver = _driver_for(connection)
+        self.driver = _driver_for(connection, channel, has_room)
         self.dead_letter_targets = {q: rabbitmq_dead_letter_target(connection, q)
                                     for q in self.queues}
         for queue, target in self.dead_letter_targets.items():
@@ -215,7 +216,7 @@ class BrokerConsumer:
 
     def poll(self) -> None:
         if self.driver is not None and self.consuming:
-            self._guarded(_drain, self.driver.connection)
+            self._guarded(self.driver.poll)
 
     def periodic(self) -> list[tuple[float, Callable[[], None]]]:
         """Housekeeping the current connection's driver needs every so often."""
@@ -364,6 +365,10 @@ class _Driver:
     def on_readable(self, fd: int) -> None:
         _drain(self.connection)
 
+    def poll(self) -> None:
+        """Take what is ready now, without waiting."""
+        _drain(self.connection)
+
     def periodic(self) -> list[tuple[float, Callable[[], None]]]:
         return []
 
@@ -398,50 +403,102 @@ class _AmqpDriver(_Driver):
 
 
 class _RedisDriver(_Driver):
-    """kombu's Redis poller driven from our loop, as kombu's own event-loop hookup does."""
+    """workhorse's Redis transport: each message is taken and recorded as unacked in one
+    step (``Channel.take``); while the worker has room and the lists are empty, one idle
+    connection per list waits for it to fill (``ListWaiter``). No BRPOP: a message is
+    never in flight between its list and our bookkeeping."""
 
-    def __init__(self, connection: Connection) -> None:
+    #: Seconds a waiter blocks server-side before it is re-armed (a health check: a
+    #: waiter silent well past this is a dead connection).
+    WAIT_TIMEOUT = 10
+
+    def __init__(self, connection: Connection, channel: Any,
+                 has_room: Callable[[], bool]) -> None:
         super().__init__(connection)
+        self.channel = channel
+        self.has_room = has_room
         self.cycle = connection.transport.cycle
+        self.waiters: dict[str, ListWaiter] = {}
+        self.blocking = True        # False on Redis < 6.2 (no BLMOVE): polled instead
+
+    def _take_while_room(self) -> bool:
+        took = False
+        while self.has_room() and self.channel.take():
+            took = True
+        return took
 
     def tick(self) -> None:
-        self.cycle.on_poll_start()     # sends BRPOP when the channel may take a message
+        """With room, and no wait armed on every list: take what is there, else arm them.
+        (While all are armed a new message wakes us; after a settle, ``poll`` takes.)"""
+        if not self.has_room() or not self.blocking:
+            return
+        keys = self.channel.list_keys(self.channel.active_queues)
+        if all(k in self.waiters and self.waiters[k].sent_at is not None for k in keys):
+            return
+        if self._take_while_room():
+            return
+        for key in keys:
+            waiter = self.waiters.get(key)
+            if waiter is None:
+                waiter = self.waiters[key] = ListWaiter(self.channel, key)
+            waiter.arm(self.WAIT_TIMEOUT)
+
+    def poll(self) -> None:
+        self._take_while_room()
 
     def fds(self) -> set[int]:
-        return set(self.cycle.fds)
+        return {fd for fd in (w.fileno() for w in self.waiters.values()) if fd is not None}
 
     def on_readable(self, fd: int) -> None:
-        try:
-            self.cycle.on_readable(fd)
-        except Empty:                  # BRPOP timed out server-side: reissued next tick
-            pass
+        for waiter in self.waiters.values():
+            if waiter.fileno() == fd:
+                try:
+                    waiter.read()
+                except self.connection.channel_errors as exc:   # no BLMOVE before 6.2
+                    log.warning("Redis cannot BLMOVE (%r): polling every %.2f s instead",
+                                exc, POLL_INTERVAL)
+                    self.blocking = False
+                    self.finish()
+                break
+        self._take_while_room()
 
     def periodic(self) -> list[tuple[float, Callable[[], None]]]:
         # kombu's sweep puts back messages whose lease ran out (their worker died); ours
         # are renewed long before that, so sweeping often only shortens a dead worker's wait.
         return [(RESTORE_SWEEP_INTERVAL, self.cycle.maybe_restore_messages),
-                (25.0, self.cycle.maybe_check_brpop_health)]
+                (self.WAIT_TIMEOUT, self._check_waiters),
+                (POLL_INTERVAL, self._poll_unless_blocking)]
+
+    def _poll_unless_blocking(self) -> None:
+        if not self.blocking:
+            self._take_while_room()
+
+    def _check_waiters(self) -> None:
+        """A waiter that is not answered well past its timeout sits on a dead connection."""
+        now = monotonic()
+        for waiter in self.waiters.values():
+            if waiter.sent_at is not None and now - waiter.sent_at > 2 * self.WAIT_TIMEOUT:
+                raise ConnectionError(f"no answer from Redis on list {waiter.key!r} for "
+                                      f"{now - waiter.sent_at:.0f} s")
 
     def finish(self) -> None:
-        """Redis pops a message when it answers BRPOP, whether or not the reply is ever read:
-        closing with a BRPOP pending would lose whatever it popped. Read the reply (Redis
-        sends one within brpop_timeout); with no consumer left, kombu requeues it."""
-        for channel in list(self.cycle._channels):
-            if channel._in_poll:
-                try:
-                    channel._brpop_read()
-                except Empty:
-                    pass
+        """Waiters take nothing: closing them loses nothing."""
+        for waiter in self.waiters.values():
+            waiter.close()
+        self.waiters.clear()
 
 
 class _PolledDriver(_Driver):
     """Brokers without a socket (SQLite, memory): the loop calls ``poll()`` on a timer."""
 
 
-def _driver_for(connection: Connection) -> _Driver:
+def _driver_for(connection: Connection, channel: Any, has_room: Callable[[], bool]) -> _Driver:
     driver_type = connection.transport.driver_type
     if driver_type == "amqp":
         return _AmqpDriver(connection)
     if driver_type == "redis":
-        return _RedisDriver(connection)
+        if isinstance(channel, RedisChannel):
+            return _RedisDriver(connection, channel, has_room)
+        raise ValueError("Redis brokers are consumed through workhorse.transport.redis "
+                         "(App.connection() chooses it)")
     return _PolledDriver(connection)

@@ -15,6 +15,15 @@ messages for long (Celery's well-known duplicates):
    score it was given); ack, reject and renew act only while ``unacked_index`` still holds
    our score, so a lost lease is detected and never settles somebody else's copy.
 
+3. kombu consumes with BRPOP: Redis pops the message and sends it; if the connection or
+   the server dies between the pop and our writing the unacked entry (a Redis killed
+   after logging the pop to its append-only file, before the reply left), the message is
+   gone. Here a Lua script takes the message off its list *and* writes its unacked entry
+   in one step (``Channel.take``), so a message is always either in its list or in
+   ``unacked``. To wait without polling, one idle connection per list blocks in
+   ``BLMOVE key key RIGHT RIGHT`` (a move onto itself, which changes nothing) until the
+   list is non-empty (``ListWaiter``); Redis older than 6.2 has no BLMOVE, and is polled.
+
 The keys and the message layout are kombu's own, so Celery producers, Celery workers and
 kombu's sweep all keep working with them.
 """
@@ -22,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from time import time
+from time import monotonic, time
 from typing import Any
 
 from kombu.transport import redis, virtual
@@ -39,6 +48,35 @@ if score and tonumber(score) == tonumber(ARGV[2]) then
     return 1
 end
 return 0
+"""
+# Take the next message off the first non-empty list and record it as unacked, in one step.
+# KEYS: unacked_index, unacked, then the lists in order. ARGV: the score, then each list's
+# dead-letter list. Returns {position of the list, message}, or nil. A message that is not
+# kombu's JSON with a delivery tag cannot be acked or put back: it goes to the dead-letter
+# list as it is, and its position is returned negative.
+_TAKE = """
+for i = 3, #KEYS do
+    local payload = redis.call('RPOP', KEYS[i])
+    if payload then
+        local ok, message = pcall(cjson.decode, payload)
+        local props = ok and type(message) == 'table' and message['properties']
+        local tag = type(props) == 'table' and props['delivery_tag']
+        if type(tag) ~= 'string' then
+            redis.call('LPUSH', ARGV[i - 1], payload)
+            return {2 - i, payload}
+        end
+        local info = props['delivery_info']
+        if type(info) ~= 'table' then info = {} end
+        local exchange, routing_key = info['exchange'], info['routing_key']
+        if type(exchange) ~= 'string' then exchange = '' end
+        if type(routing_key) ~= 'string' then routing_key = '' end
+        redis.call('ZADD', KEYS[1], ARGV[1], tag)
+        redis.call('HSET', KEYS[2], tag, '[' .. payload .. ',' .. cjson.encode(exchange)
+                   .. ',' .. cjson.encode(routing_key) .. ']')
+        return {i - 2, payload}
+    end
+end
+return nil
 """
 # KEYS: unacked_index. ARGV: new score, then (tag, our score) pairs. Returns the lost tags.
 _RENEW_IF_OURS = """
@@ -65,8 +103,14 @@ class QoS(redis.QoS):
         #: tag -> its unacked entry, for messages popped from their list while Redis went
         #: away before the entry could be written: written by the next renew().
         self._unrecorded: dict[str, str] = {}
+        #: tag -> score, for messages Channel.take recorded, until append() sees them.
+        self._taken: dict[str, float] = {}
 
     def append(self, message: Any, delivery_tag: str) -> None:
+        if delivery_tag in self._taken:    # recorded by the script that took it
+            self._scores[delivery_tag] = self._taken.pop(delivery_tag)
+            virtual.QoS.append(self, message, delivery_tag)
+            return
         delivery = message.delivery_info
         score = time()
         entry = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
@@ -179,6 +223,8 @@ class QoS(redis.QoS):
 
 
 class Channel(redis.Channel):
+    """kombu's Redis channel, consumed with ``take`` instead of BRPOP."""
+
     QoS = QoS
     #: Run kombu's sweep of abandoned messages on every call: the worker calls it on its own
     #: schedule (a few seconds), so a dead worker's messages return soon after their lease.
@@ -190,6 +236,68 @@ class Channel(redis.Channel):
 
     def renew(self, tags: Iterable[str]) -> list[str]:
         return self.qos.renew(tags)
+
+    def list_keys(self, queues: Iterable[str]) -> list[str]:
+        """The Redis lists behind ``queues``: by priority first, as kombu's BRPOP reads them."""
+        queues = list(queues)
+        return [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
+
+    def take(self) -> bool:
+        """Take the next message from the queues consumed here, recorded as unacked in the
+        same step, and deliver it to its consumer. False when they are all empty."""
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return False
+        keys = self.list_keys(queues)
+        dead = [key.rsplit(self.sep, 1)[0] + ".dead" for key in keys]
+        score = time()
+        with self.conn_or_acquire() as client:
+            reply = client.eval(_TAKE, 2 + len(keys), self.unacked_index_key,
+                                self.unacked_key, *keys, repr(score), *dead)
+        if reply is None:
+            return False
+        position, payload = reply
+        if position < 0:
+            log.error("an unreadable message on %s (not kombu's JSON with a delivery tag) "
+                      "was moved to %s: %.200r", keys[-position - 1], dead[-position - 1],
+                      payload)
+            return True
+        queue = keys[position - 1].rsplit(self.sep, 1)[0]
+        self._queue_cycle.rotate(queue)
+        message = loads(payload)
+        self.qos._taken[message["properties"]["delivery_tag"]] = score
+        self.connection._deliver(message, queue)
+        return True
+
+
+class ListWaiter:
+    """One idle connection blocking until a Redis list is non-empty, without taking from
+    it: ``BLMOVE key key RIGHT RIGHT`` moves the last element onto itself."""
+
+    def __init__(self, channel: Channel, key: str) -> None:
+        pool = channel.client.connection_pool
+        self.key = key
+        self.connection = pool.connection_class(**pool.connection_kwargs)
+        self.sent_at: float | None = None     # monotonic, while a BLMOVE is pending
+
+    def arm(self, timeout: int) -> None:
+        if self.sent_at is None:
+            self.connection.send_command("BLMOVE", self.key, self.key, "RIGHT", "RIGHT",
+                                         timeout)
+            self.sent_at = monotonic()
+
+    def fileno(self) -> int | None:
+        sock = self.connection._sock
+        return sock.fileno() if sock is not None and self.sent_at is not None else None
+
+    def read(self) -> None:
+        """The list has something (or the wait timed out): the reply itself is not used."""
+        self.sent_at = None
+        self.connection.read_response()
+
+    def close(self) -> None:
+        self.sent_at = None
+        self.connection.disconnect()
 
 
 class Transport(redis.Transport):
