@@ -248,3 +248,16 @@ def once_dies_first(self):
     if _starts_of(self.request.id) == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     return "second time"
+
+
+# ---------------------------------------------------------------- chaos
+@app.task(bind=True)
+def chaos_work(self, seconds):
+    """Logs its start and its end (task id, pid, time) to $WH_CHAOS_LOG."""
+    path = os.environ["WH_CHAOS_LOG"]
+    with open(path, "a") as f:
+        f.write(f"start {self.request.id} {os.getpid()} {time.time():.4f}\n")
+    time.sleep(seconds)
+    with open(path, "a") as f:
+        f.write(f"end {self.request.id} {os.getpid()} {time.time():.4f}\n")
+    return self.request.id
