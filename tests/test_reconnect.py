@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import threading
 import uuid
 
 import pytest
@@ -95,3 +96,70 @@ def test_closed_rabbitmq_connections_are_reconnected_and_nothing_runs_twice(
     after = [record.delay() for _ in range(4)]
     _all_ran_once(tmp_path, before + after)
     wait_until(lambda: broker.queue_size() == 0, 20, "the queue to drain")
+
+
+# ---------------------------------------------------------------- the consumer on its own
+@pytest.fixture
+def consumer_on_private_redis(tmp_path, private_redis, monkeypatch):
+    """A BrokerConsumer of the test app on the test's own Redis, and what it received."""
+    from workhorse.daemon.consumer import BrokerConsumer
+    monkeypatch.setenv("WORKHORSE_BROKER_URL", private_redis.url())
+    monkeypatch.setenv("WORKHORSE_STATE_DIR", str(tmp_path / "state"))
+    from tests.apps import basic
+    basic.app.configure()
+    received, lost = [], []
+    queue = f"t-{uuid.uuid4().hex[:10]}"
+    consumer = BrokerConsumer(basic.app, [queue], lambda q, m: received.append(m), lost.append)
+    yield consumer, received, lost, basic
+    consumer.close()
+    basic.app.close()
+
+
+def _take_one(consumer, received):
+    def got() -> bool:
+        if not consumer.connected:
+            consumer.connect(8, lambda: True, retries=0)     # as the supervisor would
+        consumer.tick()
+        for fd in consumer.fds():
+            consumer.on_readable(fd)
+        return bool(received)
+    wait_until(got, 20, "a message to be taken")
+    return received.pop()
+
+
+def test_dead_lettering_after_a_redis_restart_leaves_consumption_working(
+        consumer_on_private_redis, private_redis):
+    """A publish while Redis is down must not make kombu retry by reconnecting in place:
+    that closed the consuming channel unseen, and the worker took nothing more, ever."""
+    consumer, received, lost, basic = consumer_on_private_redis
+    consumer.connect(8, lambda: True)
+    queue = consumer.queues[0]
+    basic.app.send_task("tests.apps.basic.add", (1, 2), queue=queue)
+    held = _take_one(consumer, received)
+    private_redis.kill()
+    back = threading.Timer(1.0, private_redis.start)     # while the publish would retry
+    back.start()
+    try:
+        consumer.dead_letter(queue, held, "test", None, "w", acked=False)
+    except Exception:  # noqa: BLE001 - the expected way: a lost connection
+        assert lost and not consumer.connected
+    back.join()
+    basic.app.send_task("tests.apps.basic.add", (3, 4), queue=queue)
+    assert _take_one(consumer, received).headers["task"] == "tests.apps.basic.add"
+
+
+def test_a_connect_that_fails_half_way_keeps_nothing(consumer_on_private_redis,
+                                                     private_redis):
+    """Redis answers but refuses writes (a replica after a failover): connecting fails in
+    the middle, and the next attempt must start afresh rather than think it is connected."""
+    consumer, received, lost, basic = consumer_on_private_redis
+    server = redis.Redis(port=private_redis.port)
+    server.execute_command("REPLICAOF", "127.0.0.1", "1")     # read-only, never synced
+    try:
+        with pytest.raises(Exception):
+            consumer.connect(8, lambda: True, retries=0)
+        assert not consumer.connected
+    finally:
+        server.execute_command("REPLICAOF", "NO", "ONE")
+    consumer.connect(8, lambda: True, retries=0)
+    assert consumer.connected and consumer.consuming

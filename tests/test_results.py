@@ -171,9 +171,9 @@ def test_a_failing_header_task_fails_the_chord_and_calls_the_body_errbacks(
     exc = failure(result)
     assert type(exc).__name__ == ChordError.__name__ and "header" in str(exc)
     assert starts(tmp_path, result.id) == 0
-    path = tmp_path / "grandchild.pid.errback"
-    wait_until(lambda: path.exists(), 20, "the chord body's errback")
-    assert path.read_text().split()[0] == result.id
+    from .test_failures import errback_lines
+    wait_until(lambda: errback_lines(tmp_path), 20, "the chord body's errback")
+    assert errback_lines(tmp_path)[0].split()[0] == result.id
 
 
 @sqlite_broker

@@ -23,6 +23,8 @@ from .result import AsyncResult, GroupResult, ResultCache
 from .task import Task, current_context, new_task_id, resolve_times
 
 _SETTING_NAMES = frozenset(s.name for s in SETTINGS)
+#: Seconds a broker call may wait on a silent server (connect, read, publish confirm).
+BROKER_TIMEOUT = 10.0
 _current: list[App] = []
 
 #: How hard a producer tries before ``apply_async`` raises: the caller decides what a
@@ -126,24 +128,32 @@ class App:
         return GroupResult(group_id, results, app=self)
 
     # -- broker
-    def connection(self) -> Connection:
-        """A new, unconnected kombu Connection to the configured broker."""
+    def connection(self, heartbeat: float = 0) -> Connection:
+        """A new, unconnected kombu Connection to the configured broker. ``heartbeat``
+        (RabbitMQ): only for a connection whose owner calls ``heartbeat_check``."""
         settings = self.settings
         url = settings.broker_url
         options: dict[str, Any] = {}
+        transport_options: dict[str, Any] = {
+            "visibility_timeout": settings.visibility_timeout,
+            # RabbitMQ: publish returns once the broker has the message (publisher
+            # confirms), so "sent, then ack the original" can never lose it.
+            "confirm_publish": True}
         scheme = url.split("://", 1)[0]
         if scheme in ("redis", "rediss"):
             # kombu's Redis transport with renewable leases and lease-checked acks.
             options["transport"] = REDIS_TRANSPORT
+            # A silent server (a network partition) fails a call instead of blocking the
+            # worker's loop until TCP gives up.
+            transport_options.update(socket_timeout=BROKER_TIMEOUT,
+                                     socket_connect_timeout=BROKER_TIMEOUT,
+                                     socket_keepalive=True)
             if scheme == "rediss":
                 # kombu turns on TLS for the scheme name, which a transport class hides;
                 # verify the server's certificate (kombu would not).
                 options["ssl"] = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
-        return Connection(url, transport_options={
-            "visibility_timeout": settings.visibility_timeout,
-            # RabbitMQ: publish returns once the broker has the message (publisher
-            # confirms), so "sent, then ack the original" can never lose it.
-            "confirm_publish": True}, **options)
+        return Connection(url, transport_options=transport_options, heartbeat=heartbeat,
+                          connect_timeout=BROKER_TIMEOUT, **options)
 
     def send_task(self, name: str, args: Sequence[Any] | None = None,
                   kwargs: Mapping[str, Any] | None = None, *,

@@ -22,6 +22,7 @@ class Outcome(str, enum.Enum):
     RETRY = "retry"                  # the retry is published (and RETRY stored)
     ALREADY_DONE = "already_done"    # its SUCCESS (or idempotency key) is done: not run
     CLAIMED_ELSEWHERE = "claimed_elsewhere"  # idempotent: another delivery runs it now
+    NOT_RUN = "not_run"              # the store, asked whether it may run, did not answer
     IGNORED = "ignored"              # raise Ignore(): no result
     REJECTED = "rejected"            # raise Reject(requeue=False): FAILURE stored
     REJECTED_REQUEUE = "rejected_requeue"  # raise Reject(requeue=True): no result
@@ -86,7 +87,7 @@ def decide(outcome: Outcome, policy: Policy, *, started: bool, deliveries: int =
         return Decision(Action.NONE if started else Action.ACK, store)
     if outcome in (Outcome.SUCCEEDED, Outcome.RETRY, Outcome.IGNORED, Outcome.ALREADY_DONE):
         return Decision(Action.ACK)
-    if outcome is Outcome.CLAIMED_ELSEWHERE:
+    if outcome in (Outcome.CLAIMED_ELSEWHERE, Outcome.NOT_RUN):
         # The supervisor holds such a message and tries again later; settled, it would
         # be given back uncounted (it did not run).
         return Decision(Action.REQUEUE)

@@ -116,7 +116,9 @@ class RedisBackend(Backend):
     @property
     def client(self) -> redis.Redis:
         if self._client is None or self._pid != os.getpid():
+            # socket_timeout: a silent server fails a call (retried) rather than hanging it.
             self._client = redis.Redis.from_url(self.url, socket_connect_timeout=5,
+                                                socket_timeout=10, socket_keepalive=True,
                                                 health_check_interval=30)
             self._pid = os.getpid()
         return self._client

@@ -25,7 +25,7 @@ from amqp import spec as amqp_spec
 from kombu import Connection, Consumer, Producer
 from kombu.message import Message
 
-from ..app import App
+from ..app import BROKER_TIMEOUT, App
 from ..queues import DeadLetterTarget, ensure_queue, rabbitmq_dead_letter_target
 from ..protocol import DELIVERIES_HEADER
 from ..transport.redis import Channel as RedisChannel, ListWaiter
@@ -43,6 +43,9 @@ DEAD_WORKER_HEADER = "x-workhorse-dead-worker"
 _KEPT_PROPERTIES = ("correlation_id", "reply_to", "priority")
 #: Brokers with no socket to watch: polled this often while the worker has room.
 POLL_INTERVAL = 0.05
+#: RabbitMQ heartbeat for the consumer's connection (seconds), checked from the loop: a
+#: silent broker is noticed and the connection replaced instead of waited on forever.
+AMQP_HEARTBEAT = 30.0
 #: Redis: how often to put back messages whose lease expired (their consumer died).
 RESTORE_SWEEP_INTERVAL = 2.0
 
@@ -88,37 +91,43 @@ class BrokerConsumer:
                 retries: int = 3) -> None:
         """Connect and start consuming. ``has_room``: the supervisor's own count says it may
         take one more message (brokers we poll ask it before each fetch). Raises when the
-        broker cannot be reached (after ``retries`` quick retries)."""
-        connection = self.app.connection()
-        connection.ensure_connection(max_retries=retries, interval_start=0.2,
-                                     interval_step=0.5)
-        channel = connection.channel()
-        self.connection = connection
-        self.driver = _driver_for(connection, channel, has_room)
-        self.dead_letter_targets = {q: rabbitmq_dead_letter_target(connection, q)
-                                    for q in self.queues}
-        for queue, target in self.dead_letter_targets.items():
+        broker cannot be reached (after ``retries`` quick retries); nothing is kept of a
+        connection that failed half-way, so the next attempt starts afresh."""
+        connection = self.app.connection(heartbeat=AMQP_HEARTBEAT)
+        try:
+            connection.ensure_connection(max_retries=retries, interval_start=0.2,
+                                         interval_step=0.5)
+            channel = connection.channel()
+            driver = _driver_for(connection, channel, has_room)
+            targets = {q: rabbitmq_dead_letter_target(connection, q) for q in self.queues}
+            consumers = [
+                Consumer(channel, [ensure_queue(connection, q)],
+                         on_message=partial(self.on_message, q), no_ack=False)
+                for q in self.queues]
+            if driver.push:
+                driver.send_qos(channel, prefetch_count)
+            else:
+                # kombu's virtual transports fetch only while their QoS says it can
+                # consume; let it ask the supervisor, whose count is exact in either mode.
+                channel.qos.can_consume = has_room
+            for consumer in consumers:
+                consumer.consume()
+            producer = Producer(connection.channel())
+        except BaseException:
+            _discard(connection)
+            raise
+        for queue, target in targets.items():
             if target is not None:
                 log.info("queue %s dead-letters to its RabbitMQ exchange %r", queue,
                          target.exchange)
+        self.connection, self.driver, self.consumers, self.producer = (
+            connection, driver, consumers, producer)
+        self.dead_letter_targets = targets
         self._queues_ready = set(self.queues)
-        self.consumers = [
-            Consumer(channel, [ensure_queue(connection, q)],
-                     on_message=partial(self.on_message, q), no_ack=False)
-            for q in self.queues]
         self.credit = prefetch_count
-        if self.driver.push:
-            self.driver.send_qos(channel, prefetch_count)
-        else:
-            # kombu's virtual transports fetch only while their QoS says it can consume;
-            # let it ask the supervisor, whose count is exact whatever the ack mode.
-            channel.qos.can_consume = has_room
-        for consumer in self.consumers:
-            consumer.consume()
-        self.producer = Producer(connection.channel())
-        self._channels = {channel, self.producer.channel}
+        self._channels = {channel, producer.channel}
         self.leased = hasattr(channel, "renew")
-        self.push = self.driver.push
+        self.push = driver.push
         self._error_types = self._errors()
         self.consuming = True
         self.paused = False
@@ -137,10 +146,19 @@ class BrokerConsumer:
         return isinstance(exc, self._error_types + (BrokerUnavailable,))
 
     def _lost(self, exc: BaseException) -> None:
-        """The connection is gone: forget it (without closing: see the module docstring)
-        and tell the supervisor."""
+        """The connection is gone, or one of its channels is: forget it and tell the
+        supervisor. RabbitMQ's is closed, so the broker takes back all it held even when
+        only a channel failed; a kombu Redis connection is not (see the module docstring)
+        but its idle waiters are."""
         if self.connection is None:
             return
+        if self.push:
+            _discard(self.connection)
+        elif self.driver is not None:
+            try:
+                self.driver.finish()
+            except Exception:  # noqa: BLE001 - closing what is broken already
+                pass
         self.connection = None
         self.driver = None
         self.consumers = []
@@ -273,6 +291,12 @@ class BrokerConsumer:
     def ack(self, message: Message) -> None:
         self._settling(message.channel, message.ack)
 
+    def forget(self, message: Message) -> None:
+        """Drop a message whose lease was lost from its channel's bookkeeping. It is an ack,
+        which for a lost lease touches nothing at the broker: SQLite and Redis settle
+        only while the lease is still ours."""
+        self._settling(message.channel, message.ack)
+
     def requeue(self, message: Message) -> None:
         """Back to the queue, unchanged: not a delivery that counts."""
         self._settling(message.channel, partial(message.reject, requeue=True))
@@ -293,12 +317,12 @@ class BrokerConsumer:
             if not exchange and queue not in self._queues_ready:
                 ensure_queue(connection, queue)
                 self._queues_ready.add(queue)
+            # No kombu retry: it would reconnect this connection in place, closing the
+            # consuming channel behind our back. A failure is a lost connection (below).
             producer.publish(
                 message.body, exchange=exchange, routing_key=queue, headers=merged,
                 content_type=message.content_type, content_encoding=message.content_encoding,
-                delivery_mode=2, retry=True,
-                retry_policy={"max_retries": 5, "interval_start": 0.1, "interval_max": 1.0},
-                **properties)
+                delivery_mode=2, retry=False, timeout=BROKER_TIMEOUT, **properties)
         self._settling(producer.channel, publish)
 
     def hand_back(self, queue: str, message: Message) -> None:
@@ -332,6 +356,14 @@ class BrokerConsumer:
             self.republish(dead_letter_queue(queue), message, headers)
         if not acked:
             self.ack(message)
+
+
+def _discard(connection: Connection) -> None:
+    """Close a connection that failed or half-opened, whatever state it is in."""
+    try:
+        connection.release()
+    except Exception as exc:  # noqa: BLE001 - closing what is broken already
+        log.debug("closing a broken broker connection: %r", exc)
 
 
 def _drain(connection: Connection, max_messages: int = 1000) -> None:

@@ -108,7 +108,8 @@ class Supervisor:
         self._baseline_fds: set[int] = set()
         self._want_poll = False
         self._paused_until = 0.0   # monotonic; fetching stops until then (max_scheduled)
-        self._reconnects = 0       # failed attempts since the connection was lost
+        self._reconnects = 0       # attempts since the connection was lost
+        self._connected_at = 0.0   # monotonic time of the last (re)connect
 
     # ------------------------------------------------------------------ running
     @property
@@ -125,16 +126,17 @@ class Supervisor:
         return (self.phase is Phase.RUNNING and self.held < self.window
                 and time.monotonic() >= self._paused_until)
 
-    def _update_flow(self) -> None:
+    def _update_flow(self, starting: int = 0) -> None:
         """Tell the broker how many unacknowledged messages it may have out with us.
 
         The broker counts what we have not acked: buffered, scheduled, and running tasks
         not acked at start, and finished ones whose result is still being stored. For
         buffered + running <= window, that is the window plus the scheduled and the
-        unacked storing, minus the running ones already acked (acks_late = false).
+        unacked storing, minus the running ones already acked (acks_late = false), and
+        minus ``starting``: acked just now, about to be handed to a child.
         """
-        acked_running = sum(1 for c in self.children
-                            if c is not None and c.busy and c.job.acked)
+        acked_running = starting + sum(1 for c in self.children
+                                       if c is not None and c.busy and c.job.acked)
         unacked_storing = sum(1 for d in self.storing if not d.acked)
         if time.monotonic() < self._paused_until:
             self.consumer.set_credit(0)
@@ -153,6 +155,7 @@ class Supervisor:
         self.app.backend.retry_policy = RetryPolicy(always_retry=False)
         try:
             self.consumer.connect(prefetch_count=self.window, has_room=self.has_room)
+            self._connected_at = time.monotonic()
             self._log_banner()
             for index in range(self.concurrency):
                 self._spawn(index)
@@ -231,15 +234,26 @@ class Supervisor:
                     delivery.timer.cancel()
                 delivery.stage = Stage.SETTLED
                 dropped += 1
+            dropped += len(self.inbox)
             self.buffer.clear()
             self.scheduled.clear()
+            self.inbox.clear()
         log.error("broker connection lost (%r): %d running tasks go on%s; reconnecting",
                   exc, self.running,
                   f", {dropped} buffered or scheduled messages are back with the broker"
                   if dropped else "")
         systemd.notify(f"STATUS=broker connection lost ({exc!r}); reconnecting")
-        self._reconnects = 0
-        self.loop.call_later(0, self._reconnect)
+        # A connection that lasted a while starts over; one lost again at once (an error
+        # that only shows after connecting) keeps backing off instead of spinning.
+        if time.monotonic() - self._connected_at > RECONNECT_BACKOFF_MAX:
+            self._reconnects = 0
+        self.loop.call_later(self._reconnect_delay(), self._reconnect)
+
+    def _reconnect_delay(self) -> float:
+        """None yet: at once; then from RECONNECT_BACKOFF_START, doubling, to the cap."""
+        if not self._reconnects:
+            return 0.0
+        return min(RECONNECT_BACKOFF_START * 2 ** (self._reconnects - 1), RECONNECT_BACKOFF_MAX)
 
     def _reconnect(self) -> None:
         if self.phase is not Phase.RUNNING or self.consumer.connected:
@@ -247,16 +261,17 @@ class Supervisor:
         try:
             self.consumer.connect(self.window, self.has_room, retries=0)
         except Exception as exc:  # noqa: BLE001 - unreachable still: try again later
-            delay = min(RECONNECT_BACKOFF_START * 2 ** self._reconnects, RECONNECT_BACKOFF_MAX)
             self._reconnects += 1
-            log.warning("broker still unreachable (%r); attempt %d failed, next in %.1f s",
-                        exc, self._reconnects, delay)
+            delay = self._reconnect_delay()
+            log.warning("broker still unreachable (%r); next attempt in %.1f s", exc, delay)
             self.loop.call_later(delay, self._reconnect)
             return
-        log.info("broker connection restored after %d failed attempts; consuming %s",
-                 self._reconnects, ", ".join(self.settings.queues))
+        log.info("broker connection restored; consuming %s", ", ".join(self.settings.queues))
         systemd.notify(f"STATUS=consuming {', '.join(self.settings.queues)}")
+        self._connected_at = time.monotonic()
+        self._reconnects += 1       # reset only once the connection has lasted a while
         self._start_broker_housekeeping()
+        self._renew()               # before the new connection's sweep can take our leases
         self._update_flow()
         self._want_poll = True
 
@@ -304,7 +319,7 @@ class Supervisor:
 
     def _accept(self, queue: str, message: Message) -> None:
         if self.phase is not Phase.RUNNING:
-            message.reject(requeue=True)   # arrived after we stopped fetching: not ours
+            self._give_back(message)      # arrived after we stopped fetching: not ours
             return
         try:
             request = parse_request(message.headers)
@@ -349,6 +364,11 @@ class Supervisor:
     def _schedule(self, delivery: Delivery, delay: float) -> None:
         """Hold an ETA message in the supervisor; it does not take a prefetch slot. Past
         max_scheduled it goes back to its queue instead, and fetching pauses briefly."""
+        if self.phase is not Phase.RUNNING:      # stopping: nothing new is held
+            delivery.stage = Stage.SETTLED
+            if not delivery.acked:
+                self._give_back(delivery.message)
+            return
         if len(self.scheduled) >= self.settings.max_scheduled:
             log.warning("%s: %d scheduled messages held already (max_scheduled); handed back "
                         "to %s, fetching paused for %.0f s", delivery.label, len(self.scheduled),
@@ -440,6 +460,10 @@ class Supervisor:
         delivery.stage = Stage.SETTLED
         log.warning("%s: lease lost before it started; left to the broker, not run here",
                     delivery.label)
+        try:
+            self.consumer.forget(delivery.message)
+        except Exception as exc:  # noqa: BLE001 - only our own bookkeeping is at stake
+            log.debug("%s: forgetting a lost lease: %r", delivery.label, exc)
         self._update_flow()
 
     def _refresh_scheduled(self) -> None:
@@ -474,7 +498,16 @@ class Supervisor:
                                       self.hostname, acked=False)
         except Exception:  # noqa: BLE001
             log.exception("could not dead-letter a malformed message; it goes back to %s", queue)
-            message.reject(requeue=True)
+            self._give_back(message)
+
+    def _give_back(self, message: Message) -> None:
+        """Requeue, uncounted; if even that fails, the broker has it back anyway once our
+        lease runs out or the connection closes."""
+        try:
+            self.consumer.requeue(message)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not give a message back (%r); the broker returns it when its "
+                        "lease ends or the connection closes", exc)
 
     # ------------------------------------------------------------------ children
     def _spawn(self, index: int) -> None:
@@ -513,6 +546,8 @@ class Supervisor:
                   delivery.policy.acks_late,
                   claim_owner=f"{self.hostname}:{os.getpid()}:{delivery.seq}",
                   claim_ttl=self.settings.visibility_timeout)
+        if not (delivery.policy.acks_late or delivery.acked or self._ack_at_start(delivery)):
+            return      # (acked already: a child died before it could take the job)
         now = time.monotonic()
         try:
             child.assign(delivery, job, now)
@@ -526,21 +561,33 @@ class Supervisor:
         delivery.stage = Stage.RUNNING
         delivery.started = True
         delivery.deliveries = request.deliveries + 1
-        if not delivery.policy.acks_late:
-            # At-most-once: acked as it starts. The broker would count the freed slot as
-            # room for one more; shrink its credit first (same channel, so in that order).
-            delivery.acked = True
-            self._update_flow()
-            try:
-                self.consumer.ack(message)
-            except Exception as exc:  # noqa: BLE001 - it runs anyway: it has started
-                log.warning("%s: could not ack it at start (%r); the broker may deliver it "
-                            "again", delivery.label, exc)
         hard, soft = self._limits(delivery)
         if soft:
             child.timers.append(self.loop.call_at(now + soft, lambda: self._soft_limit(child, delivery)))
         if hard:
             child.timers.append(self.loop.call_at(now + hard, lambda: self._hard_limit(child, delivery)))
+
+    def _ack_at_start(self, delivery: Delivery) -> bool:
+        """At-most-once: acked before its child gets it, so an ack that fails never lets it
+        run twice. The broker would count the freed slot as room for one more: shrink its
+        credit first (same channel, so in that order). False: not acked, not started."""
+        delivery.acked = True
+        self._update_flow(starting=1)
+        try:
+            self.consumer.ack(delivery.message)
+            return True
+        except Exception as exc:  # noqa: BLE001 - the broker still has it
+            delivery.acked = False
+            self._update_flow()
+            if self.consumer.push:       # RabbitMQ took it back with the connection
+                delivery.stage = Stage.SETTLED
+                log.warning("%s: could not ack it at start (%r); not started, the broker "
+                            "delivers it again", delivery.label, exc)
+            else:                        # still leased to us: try again shortly
+                log.warning("%s: could not ack it at start (%r); trying again in %.0f s",
+                            delivery.label, exc, SAME_ID_RECHECK)
+                self._schedule(delivery, SAME_ID_RECHECK)
+            return False
 
     def _track_started(self, task: Any) -> bool:
         value = getattr(task, "track_started", None)
@@ -577,7 +624,8 @@ class Supervisor:
         self._crashes[child.index] = 0
         delivery.claim = None       # the child ended it
         outcome = Outcome(done.outcome)
-        if outcome is Outcome.CLAIMED_ELSEWHERE and not delivery.acked:
+        if outcome is Outcome.NOT_RUN or (outcome is Outcome.CLAIMED_ELSEWHERE
+                                          and not delivery.acked):
             self._recheck_later(delivery)
         else:
             self._settle(delivery, outcome, done.detail)
@@ -585,9 +633,9 @@ class Supervisor:
             self._maybe_recycle(child)
 
     def _recheck_later(self, delivery: Delivery) -> None:
-        """An idempotent task's key is held by a run in progress elsewhere: hold this copy
-        (it did not run: not a delivery that counts) and look again when that run has
-        ended or its claim has lapsed."""
+        """Its child did not run it: an idempotent task's key is held by a run in progress
+        elsewhere, or the result store could not be asked. Hold it (not a delivery that
+        counts) and look again when that run has ended or its claim lapsed."""
         delivery.started = False
         delivery.deliveries = delivery.request.deliveries
         delay = self.settings.visibility_timeout / 2

@@ -85,7 +85,13 @@ class TaskExecution:
         self.store = not (task.ignore_result or request.ignore_result)
         task.push_request(self.context)
         try:
-            skip = self._already_done(request) or self._claim(task, request.id, args, kwargs)
+            try:
+                skip = self._already_done(request) or self._claim(task, request.id, args,
+                                                                  kwargs)
+            except Exception as exc:  # noqa: BLE001 - the store is down; nothing has run
+                log.error("Task %s: the result store could not tell whether it may run (%r); "
+                          "not started, tried again later", self.label, exc)
+                return Finished(Outcome.NOT_RUN, repr(exc))
             if skip is not None:
                 return skip
             finished = self._run(task, args, kwargs)

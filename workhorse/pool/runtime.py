@@ -12,7 +12,7 @@ import random
 import signal
 import sys
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import psutil
 import setproctitle

@@ -24,8 +24,11 @@ messages for long (Celery's well-known duplicates):
    ``BLMOVE key key RIGHT RIGHT`` (a move onto itself, which changes nothing) until the
    list is non-empty (``ListWaiter``); Redis older than 6.2 has no BLMOVE, and is polled.
 
-The keys and the message layout are kombu's own, so Celery producers, Celery workers and
-kombu's sweep all keep working with them.
+The keys and the message layout are kombu's own: Celery producers feed these workers, and
+kombu's sweep (run by every consumer) restores what a dead worker held. Celery *workers*
+should not consume from the same Redis database: they renew nothing, so a workhorse
+worker's short-timeout sweep would put back their long tasks. Scores are wall-clock
+times: the hosts' clocks must agree to well within visibility_timeout/4.
 """
 from __future__ import annotations
 
