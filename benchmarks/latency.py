@@ -1,11 +1,12 @@
-"""How fast the supervisor acts: on a signal, and on a time limit.
+"""How fast the supervisor acts: on a signal, on a time limit, and at an ETA.
 
     python benchmarks/latency.py
 
 Signal: SIGUSR1 is sent to an idle worker; the latency is the time from os.kill() to the
 timestamp of the state dump the handler logs. Time limits: tasks with a 0.3 s hard limit
 sleep for 5 s; the overrun is the time from the task's start plus 0.3 s to the logged
-kill. Log timestamps have millisecond resolution. Medians, 95th percentiles and maxima.
+kill. ETA: tasks scheduled 1-2 s ahead; the lateness is from the ETA to the task's own
+start. Log timestamps have millisecond resolution. Medians, 95th percentiles and maxima.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,12 +95,26 @@ def main() -> int:
             began = [float(x) for x in starts.read_text().split()]
             kills = stamps(log, "hard time limit reached")
             overrun_ms = [(k - (b + limit)) * 1000 for b, k in zip(began, kills)]
+            starts.unlink()
+            etas = [datetime.now(timezone.utc) + timedelta(seconds=1 + i / 10) for i in range(runs)]
+            with Connection(url) as conn:
+                producer = Producer(conn)
+                for eta in etas:
+                    msg = build_message("bench.hold", str(uuid.uuid4()), [0], eta=eta,
+                                        ignore_result=True)
+                    producer.publish(msg.body, exchange="", routing_key=queue,
+                                     serializer="json", headers=msg.headers)
+            wait(lambda: starts.exists() and len(starts.read_text().split()) >= runs, 60)
+            began = sorted(float(x) for x in starts.read_text().split())
+            late_ms = [(b - e.timestamp()) * 1000 for b, e in zip(began, etas)]
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     print(f"signal to handler (idle supervisor, {len(signal_ms)} signals): {summary(signal_ms)}")
     print(f"hard limit overrun past {limit} s ({len(overrun_ms)} tasks):        "
           f"{summary(overrun_ms)}")
+    print(f"start past its ETA ({len(late_ms)} tasks, 0.1 s apart):              "
+          f"{summary(late_ms)}")
     print("(log timestamps are truncated to the millisecond, and a task notes its start a "
           "little after the supervisor's clock starts: values are good to about ±1 ms)")
     return 0
