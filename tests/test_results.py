@@ -305,3 +305,21 @@ def test_the_supervisor_retries_its_own_result_writes_from_its_loop(tmp_path, st
     assert runs(tmp_path) == []
     assert worker.stop() == 0
     assert broker.queue_size() == 0                    # acked, not released
+
+
+def test_a_store_that_cannot_say_whether_an_idempotent_task_may_run_does_not_count(
+        tmp_path, start_worker, outage, private_redis):
+    """The claim cannot be made while the store is down: the task has not started, so it
+    is held and tried again, not requeued as a delivery (max_deliveries=1 would then
+    dead-letter it)."""
+    broker, basic = outage
+    worker = start_worker(broker, result_backend=private_redis.url(), concurrency=1,
+                          max_deliveries=1, visibility_timeout=2,
+                          result_backend_max_retries=1)
+    private_redis.kill()
+    result = basic.once.delay()
+    worker.wait_for_log("could not tell whether it may run", 30)
+    private_redis.start()
+    assert result.get(timeout=60) == result.id
+    assert starts(tmp_path, result.id) == 1
+    assert broker.queue_size(broker.queue + ".dead") == 0
