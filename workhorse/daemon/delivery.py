@@ -12,6 +12,7 @@ from ..protocol import Request
 
 
 class Stage(str, enum.Enum):
+    NEW = "new"                # accepted, not yet placed
     BUFFERED = "buffered"      # waiting for an idle child
     SCHEDULED = "scheduled"    # waiting for its ETA
     RUNNING = "running"        # a child runs it
@@ -28,7 +29,7 @@ class Delivery:
     task: Any                  # the registered Task
     policy: Policy
     received: float = 0.0      # monotonic time it arrived here
-    stage: Stage = Stage.BUFFERED
+    stage: Stage = Stage.NEW
     acked: bool = False        # acked at start (acks_late = false)
     started: bool = False
     deliveries: int = 0        # starts counted, including this one once started

@@ -27,7 +27,8 @@ class Timer:
 
 
 class Loop:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.selector = selectors.DefaultSelector()
         self._timers: list[Timer] = []
         self._seq = itertools.count()
@@ -52,7 +53,7 @@ class Loop:
         return timer
 
     def call_later(self, delay: float, callback: Callback) -> Timer:
-        return self.call_at(time.monotonic() + delay, callback)
+        return self.call_at(self.clock() + delay, callback)
 
     def next_timeout(self, now: float) -> float | None:
         timers = self._timers
@@ -65,7 +66,7 @@ class Loop:
     # -- one turn
     def run_once(self, max_timeout: float | None = None) -> None:
         """Wait for I/O or the next timer (at most ``max_timeout``), then run what is due."""
-        timeout = self.next_timeout(time.monotonic())
+        timeout = self.next_timeout(self.clock())
         if max_timeout is not None:
             timeout = max_timeout if timeout is None else min(timeout, max_timeout)
         events = self.selector.select(timeout)
@@ -75,9 +76,11 @@ class Loop:
             # or put another in its place on the same fd number: skip stale events.
             if registered.get(key.fd) is key:
                 key.data()
-        self._run_due(time.monotonic())
+        self.run_due()
 
-    def _run_due(self, now: float) -> None:
+    def run_due(self) -> None:
+        """Run the timers that are due by the clock now."""
+        now = self.clock()
         timers = self._timers
         while timers and (timers[0].cancelled or timers[0].when <= now):
             timer = heapq.heappop(timers)

@@ -75,12 +75,13 @@ class Child:
         self.tasks_done = 0
         self.rss = 0
         self.kill_reason: Any = None         # why the supervisor killed it (an Outcome)
+        self.kill_detail: str | None = None  # ... in words: "hard time limit (4 s) exceeded"
         self.exitcode: int | None = None
 
     def _expect(self, *states: ChildState) -> None:
         if self.state not in states:
             raise InvalidTransition(
-                f"child {self.index} (pid {self.pid}) is {self.state.value}, "
+                f"{self.name} is {self.state.value}, "
                 f"expected {' or '.join(s.value for s in states)}")
 
     # -- transitions
@@ -112,11 +113,13 @@ class Child:
         self.handle.send(Stop())
         self.state = ChildState.STOPPING
 
-    def kill(self, reason: Any) -> None:
-        """SIGKILL the child and everything it started; its job is settled on exit."""
+    def kill(self, reason: Any, detail: str | None = None) -> None:
+        """SIGKILL the child and everything it started; its job is settled on exit. The
+        first reason given is the one reported."""
         self._expect(ChildState.SPAWNING, ChildState.IDLE, ChildState.BUSY, ChildState.STOPPING)
-        if self.kill_reason is None:
+        if self.kill_reason is None and self.kill_detail is None:
             self.kill_reason = reason
+            self.kill_detail = detail
         self.handle.kill_tree()
         if self.state is not ChildState.BUSY:
             self.state = ChildState.STOPPING
@@ -134,5 +137,10 @@ class Child:
     def busy(self) -> bool:
         return self.state is ChildState.BUSY
 
+    @property
+    def name(self) -> str:
+        """How logs name it: slots count from 1, as the children's process titles do."""
+        return f"child {self.index + 1} (pid {self.pid})"
+
     def __repr__(self) -> str:
-        return f"<Child {self.index} pid={self.pid} {self.state.value}>"
+        return f"<{self.name} {self.state.value}>"

@@ -1,0 +1,144 @@
+"""Every message the supervisor holds, by stage, and the arithmetic of the prefetch window.
+
+    NEW --buffer--> BUFFERED --start--> RUNNING --store--> STORING --settle--> SETTLED
+    NEW/BUFFERED/RUNNING --schedule--> SCHEDULED --buffer--> BUFFERED
+    any but SETTLED --settle--> SETTLED
+
+``Holding`` is the only code that moves a delivery from one stage to another; each move is
+one guarded method, as ``Child``'s transitions are. It does no I/O: the supervisor's other
+parts carry out the broker and store work and tell it what became of each delivery.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+from kombu.message import Message
+
+from ..pool.child import InvalidTransition
+from .delivery import Delivery, Stage
+
+
+class Holding:
+    def __init__(self, window: int) -> None:
+        #: concurrency × prefetch_multiplier: buffered + running (+ received) at most.
+        self.window = window
+        self.inbox: deque[tuple[str, Message]] = deque()   # received, not yet looked at
+        self.buffer: deque[Delivery] = deque()
+        self.scheduled: set[Delivery] = set()
+        self.running: set[Delivery] = set()
+        self.storing: set[Delivery] = set()     # over; waiting to store their result
+        #: Fetching stops until this monotonic time (after a max_scheduled hand-back).
+        self.paused_until = 0.0
+
+    # ------------------------------------------------------------------ arithmetic
+    @property
+    def held(self) -> int:
+        """Received (not yet looked at), buffered and running: what the window bounds."""
+        return len(self.inbox) + len(self.buffer) + len(self.running)
+
+    def has_room(self, now: float) -> bool:
+        """May one more message be taken? Our own count, not the broker's QoS."""
+        return self.held < self.window and now >= self.paused_until
+
+    def credit(self, now: float, starting: int = 0) -> int:
+        """How many unacknowledged messages the broker may have out with us.
+
+        The broker counts what we have not acked: buffered, scheduled, running tasks not
+        acked at start, and finished ones whose result is still being stored. For
+        buffered + running <= window, that is the window plus the scheduled and the unacked
+        storing, minus the running ones acked already (acks_late = false), minus
+        ``starting``: acked just now, about to be handed to a child. Paused: none.
+        """
+        if now < self.paused_until:
+            return 0
+        acked_running = starting + sum(1 for d in self.running if d.acked)
+        unacked_storing = sum(1 for d in self.storing if not d.acked)
+        return self.window + len(self.scheduled) + unacked_storing - acked_running
+
+    def unsettled(self) -> list[Delivery]:
+        """Everything taken from the broker and not yet settled with it (leases to renew)."""
+        return [d for d in self.all() if not d.acked]
+
+    def all(self) -> Iterator[Delivery]:
+        yield from self.buffer
+        yield from self.scheduled
+        yield from self.running
+        yield from self.storing
+
+    def has_task_id(self, task_id: str) -> bool:
+        """Is a copy of this task running here, or finished and storing its result?"""
+        return any(d.request.id == task_id for d in (*self.running, *self.storing))
+
+    # ------------------------------------------------------------------ transitions
+    def buffer_last(self, delivery: Delivery) -> None:
+        """A new message waits for an idle child, behind the others."""
+        self._leave(delivery, Stage.NEW)
+        delivery.stage = Stage.BUFFERED
+        self.buffer.append(delivery)
+
+    def buffer_first(self, delivery: Delivery) -> None:
+        """Its time has come (ETA reached), or a child could not take it: first in line."""
+        self._leave(delivery, Stage.NEW, Stage.SCHEDULED, Stage.RUNNING)
+        delivery.stage = Stage.BUFFERED
+        self.buffer.appendleft(delivery)
+
+    def next_buffered(self) -> Delivery | None:
+        """Take the first buffered delivery out of line; the caller moves it on at once
+        (start, schedule or settle)."""
+        if not self.buffer:
+            return None
+        delivery = self.buffer.popleft()
+        delivery.stage = Stage.NEW
+        return delivery
+
+    def schedule(self, delivery: Delivery) -> None:
+        """Wait for its ETA, or to be looked at again (its ``timer`` is set by the caller)."""
+        self._leave(delivery, Stage.NEW, Stage.RUNNING)
+        delivery.stage = Stage.SCHEDULED
+        self.scheduled.add(delivery)
+
+    def start(self, delivery: Delivery) -> None:
+        self._leave(delivery, Stage.NEW)
+        delivery.stage = Stage.RUNNING
+        self.running.add(delivery)
+
+    def store(self, delivery: Delivery) -> None:
+        """Over; held until its result is stored (a retry timer is set by the caller)."""
+        self._leave(delivery, Stage.NEW, Stage.RUNNING, Stage.STORING, Stage.BUFFERED,
+                    Stage.SCHEDULED)
+        delivery.stage = Stage.STORING
+        self.storing.add(delivery)
+
+    def settle(self, delivery: Delivery) -> None:
+        """Acked, requeued, dead-lettered, handed back or left to the broker: not ours."""
+        self._leave(delivery, Stage.NEW, Stage.BUFFERED, Stage.SCHEDULED, Stage.RUNNING,
+                    Stage.STORING)
+        delivery.stage = Stage.SETTLED
+
+    def take_waiting(self) -> list[Delivery]:
+        """Warm shutdown, or a connection that took them back: every buffered and scheduled
+        delivery, in the order received, settled here (the caller gives them back)."""
+        waiting = [*self.buffer, *sorted(self.scheduled, key=lambda d: d.seq)]
+        for delivery in waiting:
+            self.settle(delivery)
+        return waiting
+
+    def _leave(self, delivery: Delivery, *expected: Stage) -> None:
+        """Take ``delivery`` out of its stage, which must be one of ``expected``."""
+        stage = delivery.stage
+        if stage not in expected:
+            raise InvalidTransition(
+                f"{delivery.label} is {stage.value}, expected "
+                f"{' or '.join(s.value for s in expected)}")
+        if stage is Stage.BUFFERED:
+            self.buffer.remove(delivery)
+        elif stage is Stage.SCHEDULED:
+            self.scheduled.discard(delivery)
+        elif stage is Stage.RUNNING:
+            self.running.discard(delivery)
+        elif stage is Stage.STORING:
+            self.storing.discard(delivery)
+        if delivery.timer is not None:      # its ETA, recheck or store-retry timer
+            delivery.timer.cancel()
+            delivery.timer = None

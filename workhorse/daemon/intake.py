@@ -1,0 +1,154 @@
+"""Where a message goes when it arrives: dead letters for what cannot run, REVOKED for
+what expired, the schedule for ETA messages, else the buffer. Also the schedule itself:
+ETA timers, and the pause in fetching once ``max_scheduled`` is reached."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from kombu.message import Message
+
+from ..exceptions import MalformedMessage, NotRegistered
+from ..outcome import Outcome, Policy
+from ..protocol import parse_request
+from .delivery import Delivery, Stage
+from .holding import Holding
+from .settlement import Settlement
+
+if TYPE_CHECKING:
+    from ..app import App
+    from ..config import Settings
+    from .loop import Loop
+
+log = logging.getLogger("workhorse.supervisor")
+
+#: After handing back an ETA message over max_scheduled, stop fetching for this long, so a
+#: queue of far-future messages is not cycled through the worker at full speed.
+SCHEDULE_FULL_PAUSE = 1.0
+
+
+def task_policy(task: Any, settings: Settings) -> Policy:
+    """The ack options in force for ``task``: its own option, else the configuration."""
+    def pick(name: str) -> Any:
+        value = getattr(task, name, None) if task is not None else None
+        return settings[name] if value is None else value
+    return Policy(acks_late=pick("acks_late"),
+                  reject_on_worker_lost=pick("reject_on_worker_lost"),
+                  acks_on_failure=pick("acks_on_failure"),
+                  acks_on_timeout=pick("acks_on_timeout"),
+                  max_deliveries=pick("max_deliveries"))
+
+
+class Intake:
+    def __init__(self, app: App, settings: Settings, loop: Loop, holding: Holding,
+                 settlement: Settlement, clock: Callable[[], float],
+                 now: Callable[[], datetime], on_change: Callable[[], None],
+                 accepting: Callable[[], bool]) -> None:
+        self.app = app
+        self.settings = settings
+        self.loop = loop
+        self.holding = holding
+        self.settlement = settlement
+        self.clock = clock
+        self.now = now
+        self.on_change = on_change
+        #: Is the worker taking work? Stopping, nothing new is held.
+        self.accepting = accepting
+        self._seq = 0
+
+    def accept(self, queue: str, message: Message) -> None:
+        """Look at one received message and place it."""
+        try:
+            request = parse_request(message.headers)
+        except MalformedMessage as exc:
+            self.settlement.dead_letter_malformed(queue, message, str(exc))
+            return
+        task = self.app.tasks.get(request.task)
+        self._seq += 1
+        delivery = Delivery(self._seq, queue, message, request, task,
+                            task_policy(task, self.settings), received=self.clock())
+        if task is None:
+            self.settlement.settle(delivery, Outcome.UNKNOWN_TASK,
+                                   f"{NotRegistered(request.task)} (does the worker's app "
+                                   "define it?)")
+            return
+        if self.expired(delivery):
+            return
+        policy = delivery.policy
+        if request.deliveries >= policy.max_deliveries:
+            log.error("%s: started %d times already (max_deliveries=%d); dead-lettered",
+                      delivery.label, request.deliveries, policy.max_deliveries)
+            self.settlement.settle(delivery, Outcome.TOO_MANY_DELIVERIES,
+                                   f"started {request.deliveries} times (max_deliveries="
+                                   f"{policy.max_deliveries})")
+            return
+        now = self.now()
+        if request.eta is not None and request.eta > now:
+            self.schedule(delivery, (request.eta - now).total_seconds())
+            return
+        self.holding.buffer_last(delivery)
+
+    def expired(self, delivery: Delivery) -> bool:
+        """Settle ``delivery`` as REVOKED if its ``expires`` has passed (not started)."""
+        expires = delivery.request.expires
+        if expires is None or expires > self.now():
+            return False
+        log.info("%s: expired at %s, not run", delivery.label, expires.isoformat())
+        self.settlement.settle(delivery, Outcome.EXPIRED, "expired before it started")
+        return True
+
+    # ------------------------------------------------------------------ the schedule
+    def schedule(self, delivery: Delivery, delay: float) -> None:
+        """Hold a message until its ETA (or to look at it again); it does not take a
+        prefetch slot. Past max_scheduled it goes back to its queue instead, and fetching
+        pauses briefly."""
+        if not self.accepting():
+            self.settlement.requeue(delivery)
+            return
+        if len(self.holding.scheduled) >= self.settings.max_scheduled:
+            log.warning("%s: %d scheduled messages held already (max_scheduled); handed back "
+                        "to %s, fetching paused for %.0f s", delivery.label,
+                        len(self.holding.scheduled), delivery.queue, SCHEDULE_FULL_PAUSE)
+            self.settlement.hand_back(delivery)
+            self._pause_fetching(SCHEDULE_FULL_PAUSE)
+            return
+        self.holding.schedule(delivery)
+        delivery.timer = self.loop.call_later(delay, lambda: self._due(delivery))
+        self.on_change()
+
+    def _due(self, delivery: Delivery) -> None:
+        delivery.timer = None
+        if delivery.stage is not Stage.SCHEDULED:
+            return
+        self.holding.buffer_first(delivery)   # its time has come: ahead of later arrivals
+        self.on_change()
+
+    def _pause_fetching(self, seconds: float) -> None:
+        paused = self.clock() < self.holding.paused_until
+        self.holding.paused_until = self.clock() + seconds
+        if not paused:
+            self.on_change()
+            self.loop.call_later(seconds, self._resume_fetching)
+
+    def _resume_fetching(self) -> None:
+        remaining = self.holding.paused_until - self.clock()
+        if remaining > 0:       # extended meanwhile (or the timer fired a hair early)
+            self.loop.call_later(remaining, self._resume_fetching)
+            return
+        self.on_change()
+
+    def refresh_scheduled(self, consumer_timeout: float) -> None:
+        """RabbitMQ closes a channel holding an unacked message past its consumer_timeout:
+        hand back scheduled messages held for half of it (a fresh copy; not counted)."""
+        limit = self.clock() - consumer_timeout / 2
+        for delivery in sorted(self.holding.scheduled, key=lambda d: d.seq):
+            if delivery.received > limit:
+                continue
+            log.info("%s: scheduled for %s, held since %.0f s; handed back to %s before "
+                     "RabbitMQ's consumer_timeout", delivery.label,
+                     delivery.request.eta.isoformat() if delivery.request.eta else "?",
+                     self.clock() - delivery.received, delivery.queue)
+            self.settlement.hand_back(delivery)
+        self.on_change()

@@ -1,0 +1,86 @@
+"""Leases and claims: what the worker holds must not be handed to another worker while it
+lives (SQLite and Redis leases, renewed long before they run out), and an idempotent task's
+claim must not lapse while its child runs it."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from kombu.message import Message
+
+from .delivery import Delivery, Stage
+from .holding import Holding
+
+if TYPE_CHECKING:
+    from ..app import App
+
+log = logging.getLogger("workhorse.supervisor")
+
+#: Leases are renewed this many times per visibility_timeout.
+RENEWALS_PER_TIMEOUT = 4
+
+
+class LeasedBroker(Protocol):
+    leased: bool
+
+    def renew(self, messages: list[Message]) -> list[Message]: ...
+    def forget(self, message: Message) -> None: ...
+
+
+class Leases:
+    def __init__(self, app: App, broker: LeasedBroker, holding: Holding,
+                 visibility_timeout: float, on_change: Callable[[], None]) -> None:
+        self.app = app
+        self.broker = broker
+        self.holding = holding
+        self.visibility_timeout = visibility_timeout
+        self.on_change = on_change
+
+    @property
+    def interval(self) -> float:
+        return self.visibility_timeout / RENEWALS_PER_TIMEOUT
+
+    def renew(self) -> None:
+        """Keep what we hold from being handed to another worker, and the claims of
+        idempotent tasks running here from lapsing."""
+        held = self.holding.unsettled()
+        if self.broker.leased and held:
+            lost = {id(m) for m in self.broker.renew([d.message for d in held])}
+            for delivery in held:
+                if id(delivery.message) in lost:
+                    self._lease_lost(delivery)
+        claims = {d.claim[0]: d.claim[1] for d in self.holding.running if d.claim is not None}
+        if claims:
+            for key in self.app.backend.renew_claims(claims, self.visibility_timeout):
+                log.warning("idempotency claim on %r lost (not renewed in time): another "
+                            "delivery may start it", key)
+
+    def release_claim(self, delivery: Delivery) -> None:
+        """Its child is gone without ending the claim: let another delivery take it now."""
+        if delivery.claim is None:
+            return
+        key, owner = delivery.claim
+        delivery.claim = None
+        try:
+            self.app.backend.release_claim(key, owner)
+        except Exception as exc:  # noqa: BLE001 - it lapses on its own
+            log.warning("%s: could not release idempotency claim %r (%r); it lapses in %.0f s",
+                        delivery.label, key, exc, self.visibility_timeout)
+
+    def _lease_lost(self, delivery: Delivery) -> None:
+        """Our lease ran out (renewals failed for a whole visibility_timeout): the broker may
+        have handed the message to another worker. Do not start it here; if it runs, let
+        it finish (settling it then touches only our own, lost, lease)."""
+        if delivery.stage not in (Stage.BUFFERED, Stage.SCHEDULED):
+            log.warning("%s: lease lost while %s; the broker may deliver it again",
+                        delivery.label, delivery.stage.value)
+            return
+        self.holding.settle(delivery)
+        log.warning("%s: lease lost before it started; left to the broker, not run here",
+                    delivery.label)
+        try:
+            self.broker.forget(delivery.message)
+        except Exception as exc:  # noqa: BLE001 - only our own bookkeeping is at stake
+            log.debug("%s: forgetting a lost lease: %r", delivery.label, exc)
+        self.on_change()

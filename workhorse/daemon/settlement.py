@@ -1,0 +1,226 @@
+"""Settling a held message: decide, store what only the supervisor can store, then ack,
+requeue or dead-letter it, as SEMANTICS.md's Outcomes table says.
+
+Nothing here raises into the loop: a step that fails is logged and contained (the broker
+delivers the message again), and a result store that fails is retried from a loop timer,
+the message held meanwhile, never by sleeping.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kombu.message import Message
+
+from ..backends import RetryPolicy
+from ..chords import chord_part_return
+from ..exceptions import (
+    MalformedMessage,
+    NotRegistered,
+    TaskRevokedError,
+    TimeLimitExceeded,
+    TooManyDeliveries,
+    WorkerLostError,
+)
+from ..outcome import Action, Decision, Outcome, Store, decide
+from ..protocol import decode_body
+from ..states import FAILURE, REVOKED
+from .delivery import Delivery
+from .holding import Holding
+
+if TYPE_CHECKING:
+    from ..app import App
+    from .loop import Loop
+
+log = logging.getLogger("workhorse.supervisor")
+
+
+class Broker(Protocol):
+    """What settling needs of the broker connection (``BrokerConsumer``)."""
+
+    def ack(self, message: Message) -> None: ...
+    def requeue(self, message: Message) -> None: ...
+    def requeue_counted(self, queue: str, message: Message, deliveries: int) -> None: ...
+    def hand_back(self, queue: str, message: Message) -> None: ...
+    def dead_letter(self, queue: str, message: Message, reason: str, task_id: str | None,
+                    worker: str, *, acked: bool) -> None: ...
+    def is_connection_error(self, exc: BaseException) -> bool: ...
+
+
+class Settlement:
+    def __init__(self, app: App, broker: Broker, loop: Loop, holding: Holding, hostname: str,
+                 retry: RetryPolicy, on_change: Callable[[], None]) -> None:
+        self.app = app
+        self.broker = broker
+        self.loop = loop
+        self.holding = holding
+        self.hostname = hostname
+        self.retry = retry
+        #: Called after a message is settled or held to store: credit and fetching follow.
+        self.on_change = on_change
+
+    def settle(self, delivery: Delivery, outcome: Outcome, detail: str | None) -> None:
+        """Carry out the Outcomes table for ``delivery``: store what only the supervisor
+        can store, then ack, requeue or dead-letter. Never lets an error escape."""
+        decision = decide(outcome, delivery.policy, started=delivery.started,
+                          deliveries=delivery.deliveries)
+        self._store_then_settle(delivery, outcome, decision, detail, 0)
+
+    def _store_then_settle(self, delivery: Delivery, outcome: Outcome, decision: Decision,
+                           detail: str | None, attempt: int) -> None:
+        try:
+            self._store(delivery, decision, detail)
+        except Exception as exc:  # noqa: BLE001 - the store's trouble, not the loop's
+            backend, policy = self.app.backend, self.retry
+            if (policy.always_retry and attempt < policy.max_retries
+                    and backend.exception_safe_to_retry(exc)):
+                delay = policy.delay(attempt)
+                log.warning("%s: result store: storing its %s result failed (%r); retry %d "
+                            "of %d in %.2f s, the message held until then", delivery.label,
+                            decision.store.value, exc, attempt + 1, policy.max_retries, delay)
+                backend.on_connection_error(exc)
+                self.holding.store(delivery)
+                delivery.settlement = (outcome, decision, detail)
+                delivery.timer = self.loop.call_later(delay, lambda: self._store_then_settle(
+                    delivery, outcome, decision, detail, attempt + 1))
+                self.on_change()
+                return
+            log.error("%s: could not store its %s result (%r)", delivery.label,
+                      decision.store.value, exc)
+            decision = self._without_result(delivery, decision)
+        self.carry_out(delivery, outcome, decision, detail)
+
+    def _without_result(self, delivery: Delivery, decision: Decision) -> Decision:
+        """The result could not be stored: never ack it away without one. Dead letters keep
+        the message anyway; an ack becomes a requeue (counted if it started)."""
+        if decision.action is not Action.ACK or delivery.acked:
+            return decision
+        if not delivery.started:
+            return Decision(Action.REQUEUE)
+        return decide(Outcome.STORE_FAILED, delivery.policy, started=True,
+                      deliveries=delivery.deliveries)
+
+    def carry_out(self, delivery: Delivery, outcome: Outcome, decision: Decision,
+                  detail: str | None) -> None:
+        """Ack, requeue or dead-letter with the broker; the delivery is ours no longer."""
+        self.holding.settle(delivery)
+        message, queue = delivery.message, delivery.queue
+        try:
+            if decision.action is Action.ACK and not delivery.acked:
+                self.broker.ack(message)
+            elif decision.action is Action.REQUEUE:
+                self.broker.requeue(message)
+            elif decision.action is Action.REQUEUE_COUNTED:
+                log.warning("%s: %s; requeued (started %d of at most %d times)", delivery.label,
+                            detail, delivery.deliveries, delivery.policy.max_deliveries)
+                self.broker.requeue_counted(queue, message, delivery.deliveries)
+            elif decision.action is Action.DEAD_LETTER:
+                reason = f"{outcome.value}: {detail}" if detail else outcome.value
+                log.error("%s: dead-lettered to %s.dead: %s", delivery.label, queue, reason)
+                self.broker.dead_letter(queue, message, reason, delivery.request.id,
+                                        self.hostname, acked=delivery.acked)
+        except Exception as exc:  # noqa: BLE001 - the broker decides what happens to it now
+            self._broker_failed(delivery.label, decision.action.value, exc)
+        self.on_change()
+
+    def _broker_failed(self, label: str, what: str, exc: Exception) -> None:
+        if self.broker.is_connection_error(exc):
+            log.warning("%s: could not %s the message, its broker connection is gone (%r); "
+                        "the broker will deliver it again", label, what, exc)
+        else:
+            log.error("%s: could not %s the message; the broker will deliver it again",
+                      label, what, exc_info=exc)
+
+    def give_up_storing(self) -> None:
+        """Stopping with results still unstored: settle those messages without them."""
+        for delivery in sorted(self.holding.storing, key=lambda d: d.seq):
+            log.error("%s: stopping before its result could be stored", delivery.label)
+            assert delivery.settlement is not None
+            outcome, decision, detail = delivery.settlement
+            self.carry_out(delivery, outcome, self._without_result(delivery, decision), detail)
+
+    # ------------------------------------------------------------------ not run here
+    def requeue(self, delivery: Delivery) -> None:
+        """Back to its queue, not counted: it did not run (warm shutdown, stopping)."""
+        self.holding.settle(delivery)
+        if not delivery.acked:
+            self.give_back(delivery.message, delivery.label)
+
+    def hand_back(self, delivery: Delivery) -> None:
+        """A fresh copy to the end of its queue, then ack (ETA messages over
+        max_scheduled, or held for long on RabbitMQ)."""
+        self.holding.settle(delivery)
+        try:
+            self.broker.hand_back(delivery.queue, delivery.message)
+        except Exception as exc:  # noqa: BLE001 - the broker returns it when the lease ends
+            log.error("%s: could not hand it back (%r); the broker returns it when its lease "
+                      "ends or the connection closes", delivery.label, exc)
+
+    def give_back(self, message: Message, label: str = "a message") -> None:
+        """Requeue, uncounted; if even that fails, the broker has it back anyway once our
+        lease runs out or the connection closes."""
+        try:
+            self.broker.requeue(message)
+        except Exception as exc:  # noqa: BLE001 - see the log line
+            log.warning("%s: could not give it back (%r); the broker returns it when its "
+                        "lease ends or the connection closes", label, exc)
+
+    def dead_letter_malformed(self, queue: str, message: Message, reason: str) -> None:
+        log.error("malformed message on %s dead-lettered to %s.dead: %s", queue, queue, reason)
+        try:
+            self.broker.dead_letter(queue, message, f"malformed: {reason}", None,
+                                    self.hostname, acked=False)
+        except Exception as exc:  # noqa: BLE001 - given back instead
+            log.error("could not dead-letter a malformed message (%r); it goes back to %s",
+                      exc, queue)
+            self.give_back(message)
+
+    # ------------------------------------------------------------------ results
+    def _store(self, delivery: Delivery, decision: Decision, detail: str | None) -> None:
+        """Write the results only the supervisor can write (the child is gone or never ran)."""
+        if decision.store is Store.NOTHING:
+            return
+        request = delivery.request
+        task_id = request.id
+        assert task_id is not None      # parse_request requires one
+        info = {"task": request.task, "hostname": self.hostname,
+                "retries": request.retries, "group": request.group,
+                "parent_id": request.parent_id,
+                "delivery_info": dict(delivery.message.delivery_info or {})}
+        backend = self.app.backend
+        if decision.store is Store.REVOKED:
+            backend.mark_as_revoked(task_id, detail or "revoked", request=info)
+            self._chord_part(delivery, REVOKED, TaskRevokedError(detail or "revoked"))
+            return
+        exc = _stored_exception(decision.store, request.task, detail)
+        backend.mark_as_failure(task_id, exc, None, request=info)
+        self._chord_part(delivery, FAILURE, exc)
+
+    def _chord_part(self, delivery: Delivery, state: str, result: Any) -> None:
+        """A chord header task that ended here (killed, lost, unknown) still counts toward
+        its chord, or the chord would wait forever. Errbacks are sent, not run here: the
+        supervisor never runs task code."""
+        request = delivery.request
+        if not request.group or request.id is None:
+            return
+        message = delivery.message
+        try:
+            _, _, embed = decode_body(message.body, message.content_type, message.content_encoding)
+        except MalformedMessage:
+            return
+        if embed.get("chord"):
+            chord_part_return(self.app, request.group, request.id, request.group_index, state,
+                              result, embed["chord"], inline_errbacks=False)
+
+
+def _stored_exception(store: Store, task_name: str, detail: str | None) -> BaseException:
+    if store is Store.TIME_LIMIT:
+        return TimeLimitExceeded(detail)
+    if store is Store.WORKER_LOST:
+        return WorkerLostError(detail)
+    if store is Store.NOT_REGISTERED:
+        return NotRegistered(task_name)
+    if store is Store.TOO_MANY:
+        return TooManyDeliveries(detail)
+    raise ValueError(f"the supervisor stores no result for {store!r}")  # pragma: no cover

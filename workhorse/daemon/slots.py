@@ -1,0 +1,279 @@
+"""The prefork pool as the supervisor sees it: one ``Slot`` per place in the pool, holding
+its current ``Child``, its crash count and its respawn timer.
+
+``Slots`` spawns, reads, reaps, replaces and recycles children, and enforces each running
+job's time limits from loop timers. What becomes of a job is the supervisor's business: it
+is told through ``PoolEvents`` (a job done, a job whose child was lost).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..outcome import Outcome
+from ..pool.child import Child, ChildState, ProcessHandle, describe_exit
+from ..pool.ipc import Claimed, Done, Hello, Job
+from ..pool.limits import SOFT_LIMIT_SIGNAL
+from . import systemd
+from .delivery import Delivery
+from .system import RuntimeFactory
+
+if TYPE_CHECKING:
+    from .loop import Loop, Timer
+
+log = logging.getLogger("workhorse.supervisor")
+
+#: Consecutive crashes of a slot back off from this delay, doubling, up to the cap.
+CRASH_BACKOFF_START = 0.1
+CRASH_BACKOFF_MAX = 10.0
+
+
+class OS(Protocol):
+    """What the pool needs of the operating system (``System``, or a fake in tests)."""
+
+    def monotonic(self) -> float: ...
+    def spawn(self, number: int, make_runtime: RuntimeFactory) -> ProcessHandle: ...
+    def signal(self, pid: int, sig: int) -> None: ...
+    def rss(self, pid: int) -> int | None: ...
+
+
+class PoolEvents(Protocol):
+    def job_done(self, delivery: Delivery, done: Done) -> None: ...
+    def job_lost(self, delivery: Delivery, outcome: Outcome, detail: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Recycling:
+    """When a child is replaced after a task (none: never)."""
+
+    max_tasks: int | None = None
+    max_memory: int | None = None     # bytes of resident memory
+
+
+def crash_delay(failures: int) -> float:
+    """The first crash is replaced at once; then from the start delay, doubling, capped."""
+    if failures <= 1:
+        return 0.0
+    return min(CRASH_BACKOFF_START * 2 ** (failures - 2), CRASH_BACKOFF_MAX)
+
+
+class Slot:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.child: Child | None = None
+        self.crashes = 0                        # consecutive, reset by a finished job
+        self.respawn_timer: Timer | None = None
+
+    def cancel_respawn(self) -> None:
+        if self.respawn_timer is not None:
+            self.respawn_timer.cancel()
+            self.respawn_timer = None
+
+
+class Slots:
+    def __init__(self, size: int, os: OS, loop: Loop, make_runtime: RuntimeFactory,
+                 events: PoolEvents, recycling: Recycling,
+                 accepting: Callable[[], bool]) -> None:
+        self.os = os
+        self.loop = loop
+        self.make_runtime = make_runtime
+        self.events = events
+        self.recycling = recycling
+        #: Is the worker taking work? If not, children are not replaced and idle ones stop.
+        self.accepting = accepting
+        self.slots = [Slot(index) for index in range(size)]
+
+    # ------------------------------------------------------------------ views
+    def children(self) -> Iterator[Child]:
+        """The live children (not yet reaped)."""
+        for slot in self.slots:
+            child = slot.child
+            if child is not None and child.state is not ChildState.EXITED:
+                yield child
+
+    def idle(self) -> Iterator[Child]:
+        for child in self.children():
+            if child.state is ChildState.IDLE:
+                yield child
+
+    @property
+    def running(self) -> int:
+        return sum(1 for child in self.children() if child.busy)
+
+    def all_exited(self) -> bool:
+        return next(self.children(), None) is None
+
+    # ------------------------------------------------------------------ life cycle
+    def spawn_all(self) -> None:
+        for slot in self.slots:
+            self.spawn(slot)
+
+    def spawn(self, slot: Slot) -> None:
+        slot.respawn_timer = None
+        handle = self.os.spawn(slot.index + 1, self.make_runtime)
+        child = Child(slot.index, handle, self.os.monotonic())
+        slot.child = child
+        self.loop.add_reader(handle.read_fd, lambda: self.on_readable(child))
+
+    def on_readable(self, child: Child) -> None:
+        for frame in child.handle.receive():
+            if isinstance(frame, Hello):
+                child.on_hello()
+            elif isinstance(frame, Claimed):
+                if child.job is not None and child.job.seq == frame.seq:
+                    child.job.claim = (frame.key, frame.owner)
+            elif isinstance(frame, Done):
+                self._on_done(child, frame)
+        if child.handle.at_eof:
+            # The process is exiting; SIGCHLD tells us when it is gone. Stop watching the
+            # pipe, or EOF would keep the selector readable.
+            self.loop.remove_reader(child.handle.read_fd)
+
+    def _on_done(self, child: Child, done: Done) -> None:
+        delivery: Delivery = child.on_done(done.rss)
+        self._cancel_limits(child)
+        self.slots[child.index].crashes = 0
+        self.events.job_done(delivery, done)
+        if not child.handle.at_eof:     # else it is exiting already
+            self.maybe_recycle(child)
+
+    def reap(self) -> None:
+        """SIGCHLD: settle the jobs of children that are gone, and replace them."""
+        for child in list(self.children()):
+            code = child.handle.exitcode()
+            if code is not None:
+                self._on_exit(child, code)
+
+    def _on_exit(self, child: Child, code: int) -> None:
+        if not child.handle.at_eof:
+            self.on_readable(child)     # what it wrote before dying (Done, Claimed)
+        killed = child.kill_detail is not None or child.kill_reason is not None
+        expected = child.state is ChildState.STOPPING and not killed
+        delivery = child.on_exit(code)
+        self._cancel_limits(child)
+        self.loop.remove_reader(child.handle.read_fd)
+        how = describe_exit(code)
+        if killed:
+            why = child.kill_detail or "killed by the supervisor"
+            how = f"killed by the supervisor: {why}"
+        if delivery is not None:
+            outcome = child.kill_reason or Outcome.CHILD_LOST
+            log.error("%s %s while running %s", child.name, how, delivery.label)
+            self.events.job_lost(delivery, outcome, child.kill_detail or f"child {how}")
+        elif not expected:
+            (log.info if killed else log.error)("%s %s", child.name, how)
+        if self.accepting():
+            self._replace(child, crashed=not expected and not killed)
+
+    def _replace(self, child: Child, crashed: bool) -> None:
+        slot = self.slots[child.index]
+        if slot.child is not child:
+            return
+        if not crashed:
+            self.spawn(slot)
+            return
+        slot.crashes += 1
+        delay = crash_delay(slot.crashes)
+        if not delay:
+            self.spawn(slot)
+            return
+        log.warning("child slot %d crashed %d times in a row; starting the next one in %.1f s",
+                    slot.index + 1, slot.crashes, delay)
+        systemd.notify(f"STATUS=child slot {slot.index + 1} crashing ({slot.crashes} in a row)")
+        slot.respawn_timer = self.loop.call_later(delay, lambda: self._respawn(slot))
+
+    def _respawn(self, slot: Slot) -> None:
+        slot.respawn_timer = None
+        if self.accepting():
+            self.spawn(slot)
+
+    def maybe_recycle(self, child: Child) -> None:
+        """After a task, or while idle: replace a child past its limits; stop it if the
+        worker is stopping."""
+        r = self.recycling
+        reason = None
+        if r.max_tasks and child.tasks_done >= r.max_tasks:
+            reason = f"ran {child.tasks_done} tasks (max_tasks_per_child={r.max_tasks})"
+        elif r.max_memory and child.rss > r.max_memory:
+            reason = (f"uses {child.rss // 1024} KiB "
+                      f"(max_memory_per_child={r.max_memory // 1024} KiB)")
+        if reason:
+            log.info("recycling %s: %s", child.name, reason)
+        if reason or not self.accepting():
+            child.stop()
+
+    def check_idle_memory(self) -> None:
+        """Recycle idle children over max_memory_per_child (a busy one is checked after its
+        task: never mid-task)."""
+        for child in list(self.idle()):
+            rss = self.os.rss(child.pid)
+            if rss is not None:
+                child.rss = rss
+                self.maybe_recycle(child)
+
+    # ------------------------------------------------------------------ jobs
+    def start(self, child: Child, delivery: Delivery, job: Job, hard: float | None,
+              soft: float | None) -> bool:
+        """Hand ``job`` to an idle child and arm its limits. False: the child is gone
+        (it is killed and replaced; the job never started)."""
+        now = self.os.monotonic()
+        try:
+            child.assign(delivery, job, now)
+        except OSError as exc:
+            log.warning("%s cannot take a job (%s); replacing it", child.name, exc)
+            child.kill(None, f"its pipe failed ({exc})")
+            return False
+        if soft:
+            child.timers.append(self.loop.call_at(
+                now + soft, lambda: self._soft_limit(child, delivery, soft)))
+        if hard:
+            child.timers.append(self.loop.call_at(
+                now + hard, lambda: self._hard_limit(child, delivery, hard)))
+        return True
+
+    def _soft_limit(self, child: Child, delivery: Delivery, seconds: float) -> None:
+        if child.job is not delivery:
+            return
+        log.warning("%s: soft time limit (%g s) exceeded; SoftTimeLimitExceeded raised in the "
+                    "task", delivery.label, seconds)
+        self.os.signal(child.pid, SOFT_LIMIT_SIGNAL)
+
+    def _hard_limit(self, child: Child, delivery: Delivery, seconds: float) -> None:
+        if child.job is not delivery:
+            return
+        why = f"hard time limit ({seconds:g} s) exceeded"
+        log.error("%s: %s; killing %s and what it started", delivery.label, why, child.name)
+        child.kill(Outcome.TIME_LIMIT, why)
+
+    @staticmethod
+    def _cancel_limits(child: Child) -> None:
+        for timer in child.timers:
+            timer.cancel()
+        child.timers.clear()
+
+    # ------------------------------------------------------------------ stopping
+    def stop_idle(self) -> None:
+        """Warm shutdown: no replacements; idle (and starting) children exit now."""
+        for slot in self.slots:
+            slot.cancel_respawn()
+        for child in list(self.children()):
+            if child.state in (ChildState.IDLE, ChildState.SPAWNING):
+                child.stop()
+
+    def kill_all(self, why: str) -> None:
+        """Cold shutdown: kill every child; running jobs are settled as killed by it."""
+        for child in list(self.children()):
+            child.kill(Outcome.SHUTDOWN_KILLED if child.busy else None, why)
+
+    def kill_now(self) -> None:
+        """The supervisor is failing: kill every child and what it started, at once."""
+        for child in self.children():
+            child.handle.kill_tree()
+
+    def describe(self) -> Iterator[str]:
+        """One line per child, for the USR1 state dump."""
+        for child in self.children():
+            job: Any = child.job
+            yield f"{child!r} tasks_done={child.tasks_done} job={job.label if job else '-'}"

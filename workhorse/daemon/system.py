@@ -1,0 +1,71 @@
+"""Every OS call the supervisor's parts make, in one façade: the seam that lets the pool,
+holding and settlement be tested against a fake, without forking (supervisord's
+``DummyOptions`` idea)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import psutil
+
+from ..pool.child import ProcessHandle
+from ..pool.runtime import ChildRuntime
+from ..pool.spawn import spawn
+
+RuntimeFactory = Callable[[int, int, int], ChildRuntime]
+
+
+class System:
+    """The real operating system."""
+
+    def __init__(self) -> None:
+        self._baseline_fds: set[int] = set()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def now(self) -> datetime:
+        return datetime.now(UTC)
+
+    def getpid(self) -> int:
+        return os.getpid()
+
+    def mark_fds(self) -> None:
+        """Remember the fds open before the supervisor opened its own (sockets, pipes)."""
+        self._baseline_fds = _open_fds()
+
+    def spawn(self, number: int, make_runtime: RuntimeFactory) -> ProcessHandle:
+        """Fork child ``number``; it closes the supervisor's private fds."""
+        return spawn(number, make_runtime, _private_fds(self._baseline_fds))
+
+    def signal(self, pid: int, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+    def rss(self, pid: int) -> int | None:
+        """Resident memory of process ``pid`` in bytes; None if it is gone."""
+        try:
+            return int(psutil.Process(pid).memory_info().rss)
+        except psutil.Error:
+            return None
+
+
+def _open_fds() -> set[int]:
+    return {int(name) for name in os.listdir("/proc/self/fd")}
+
+
+def _private_fds(baseline: set[int]) -> list[int]:
+    """The sockets, pipes and event fds the supervisor opened since it started: a child
+    must not keep them. Regular files (SQLite databases) are left to workhorse.forksafe."""
+    private = []
+    for fd in sorted(_open_fds() - baseline):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(("socket:", "pipe:", "anon_inode:")):
+            private.append(fd)
+    return private
