@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,7 +96,7 @@ def main() -> int:
             kills = stamps(log, "hard time limit reached")
             overrun_ms = [(k - (b + limit)) * 1000 for b, k in zip(began, kills)]
             starts.unlink()
-            etas = [datetime.now(timezone.utc) + timedelta(seconds=1 + i / 10) for i in range(runs)]
+            etas = [datetime.now(UTC) + timedelta(seconds=1 + i / 10) for i in range(runs)]
             with Connection(url) as conn:
                 producer = Producer(conn)
                 for eta in etas:
