@@ -13,8 +13,8 @@ NOW = datetime(2026, 11, 22, 8, 40, 1, 751593, tzinfo=UTC)
 
 
 def test_message_has_every_celery_v2_header():
-    msg = build_message("tasks.add", "77a6", [4, 5], {}, eta=NOW, expires=NOW + timedelta(minutes=1),
-                        now=NOW)
+    msg = build_message("tasks.add", "77a6", [4, 5], {}, eta=NOW,
+                        expires=NOW + timedelta(minutes=1), now=NOW)
     assert set(msg.headers) >= {
         "lang", "task", "id", "shadow", "eta", "expires", "group", "group_index", "retries",
         "timelimit", "root_id", "parent_id", "argsrepr", "kwargsrepr", "origin", "ignore_result",

@@ -200,7 +200,6 @@ def test_routing_through_a_direct_exchange_works_across_processes(url):
 
 
 def _publish_via_exchange(url: str) -> None:
-    import workhorse  # noqa: F401
     with conn(url) as c:
         Producer(c).publish("routed", exchange="ex", routing_key="rk")
 
