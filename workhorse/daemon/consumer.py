@@ -193,7 +193,7 @@ class BrokerConsumer:
         if self.driver is not None:
             try:
                 self.driver.finish()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - closing anyway
                 log.warning("could not collect an in-flight fetch before closing: %r", exc)
         if self.connection is not None:
             try:
