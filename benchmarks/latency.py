@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +54,8 @@ def wait(condition, timeout: float = 30) -> None:
 def summary(values_ms: list[float]) -> str:
     values = sorted(values_ms)
     p95 = values[min(len(values) - 1, int(round(0.95 * (len(values) - 1))))]
-    return f"median {statistics.median(values):6.1f} ms  p95 {p95:6.1f} ms  max {values[-1]:6.1f} ms"
+    return (f"median {statistics.median(values):6.1f} ms  p95 {p95:6.1f} ms  "
+            f"max {values[-1]:6.1f} ms")
 
 
 def main() -> int:
@@ -80,7 +81,7 @@ def main() -> int:
                 time.sleep(0.05)     # let the loop go idle: the case the target is about
                 sent = time.time()
                 os.kill(proc.pid, signal.SIGUSR1)
-                wait(lambda: len(stamps(log, "state: phase=")) > i)
+                wait(lambda seen=i: len(stamps(log, "state: phase=")) > seen)
                 signal_ms.append((stamps(log, "state: phase=")[-1] - sent) * 1000)
             limit, runs = 0.3, 10
             with Connection(url) as conn:
@@ -94,9 +95,9 @@ def main() -> int:
             wait(lambda: len(stamps(log, "hard time limit reached")) >= runs, 60)
             began = [float(x) for x in starts.read_text().split()]
             kills = stamps(log, "hard time limit reached")
-            overrun_ms = [(k - (b + limit)) * 1000 for b, k in zip(began, kills)]
+            overrun_ms = [(k - (b + limit)) * 1000 for b, k in zip(began, kills, strict=False)]
             starts.unlink()
-            etas = [datetime.now(timezone.utc) + timedelta(seconds=1 + i / 10) for i in range(runs)]
+            etas = [datetime.now(UTC) + timedelta(seconds=1 + i / 10) for i in range(runs)]
             with Connection(url) as conn:
                 producer = Producer(conn)
                 for eta in etas:
@@ -106,7 +107,7 @@ def main() -> int:
                                      serializer="json", headers=msg.headers)
             wait(lambda: starts.exists() and len(starts.read_text().split()) >= runs, 60)
             began = sorted(float(x) for x in starts.read_text().split())
-            late_ms = [(b - e.timestamp()) * 1000 for b, e in zip(began, etas)]
+            late_ms = [(b - e.timestamp()) * 1000 for b, e in zip(began, etas, strict=False)]
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

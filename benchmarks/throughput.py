@@ -28,7 +28,7 @@ from kombu import Connection, Producer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import workhorse  # noqa: E402 - registers sqlite://
+import workhorse  # noqa: E402,F401 - registers sqlite://
 from workhorse.protocol import build_message  # noqa: E402
 from workhorse.queues import ensure_queue  # noqa: E402
 
@@ -66,7 +66,7 @@ def drop(url: str, queue: str) -> None:
     with Connection(url) as conn:
         try:
             ensure_queue(conn, queue)(conn.default_channel).delete()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - cleanup is best effort
             pass
 
 

@@ -98,13 +98,13 @@ class BrokerEnv:
                     q = task_queue(name)(conn.default_channel)
                     try:
                         q.delete()
-                    except Exception:  # noqa: BLE001
+                    except Exception:  # noqa: BLE001 - cleanup is best effort
                         pass
                     try:
                         q.exchange.delete()
-                    except Exception:  # noqa: BLE001
+                    except Exception:  # noqa: BLE001 - cleanup is best effort
                         pass
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - cleanup is best effort
             pass
 
 
@@ -247,7 +247,8 @@ def worker_env(broker: BrokerEnv, tmp_path: Path, **settings: object) -> dict[st
         "WH_TEST_PIDFILE": str(tmp_path / "grandchild.pid"),
     })
     for key, value in settings.items():
-        env[f"WORKHORSE_{key.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+        env[f"WORKHORSE_{key.upper()}"] = (str(value).lower() if isinstance(value, bool)
+                                           else str(value))
     return env
 
 

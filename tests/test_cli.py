@@ -14,7 +14,8 @@ from .conftest import ROOT
 pytestmark = pytest.mark.timeout(60)
 
 
-def run(*args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def run(*args: str, env: dict[str, str] | None = None,
+        cwd: Path = ROOT) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith("WORKHORSE_")}
     base["PYTHONPATH"] = str(ROOT)
     base.update(env or {})

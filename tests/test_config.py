@@ -125,7 +125,8 @@ def test_every_setting_round_trips_through_each_source(name, tmp_path):
 
 # ---------------------------------------------------------------- precedence
 def test_precedence_defaults_code_files_dropins_env_cli(tmp_path):
-    main = write(tmp_path / "etc" / "workhorse.toml", "[worker]\nconcurrency = 3\nhostname = 'file'\n"
+    main = write(tmp_path / "etc" / "workhorse.toml",
+                 "[worker]\nconcurrency = 3\nhostname = 'file'\n"
                  "prefetch_multiplier = 5\nmax_tasks_per_child = 9\n")
     write(tmp_path / "etc" / "workhorse.d" / "20-b.ini", "[worker]\nprefetch_multiplier = 7\n")
     write(tmp_path / "etc" / "workhorse.d" / "10-a.toml",
@@ -137,7 +138,8 @@ def test_precedence_defaults_code_files_dropins_env_cli(tmp_path):
               "loglevel": "debug"},
         env={"WORKHORSE_HOSTNAME": "env", "WORKHORSE_LOGLEVEL": "error"},
         cli={"loglevel": "warning"})
-    assert settings.graceful_timeout == 5.0 and settings.source("graceful_timeout") == "App(...) keyword"
+    assert settings.graceful_timeout == 5.0
+    assert settings.source("graceful_timeout") == "App(...) keyword"
     assert settings.concurrency == 3                      # file beats code
     assert settings.max_tasks_per_child == 9
     assert settings.prefetch_multiplier == 7              # 20-b.ini read after 10-a.toml
@@ -242,7 +244,8 @@ def test_missing_and_unknown_config_files(tmp_path):
     ("1.5G", 1_500_000_000), ("none", None),
 ])
 def test_memory_sizes(text, expected):
-    assert load_settings(env={"WORKHORSE_MAX_MEMORY_PER_CHILD": text}).max_memory_per_child == expected
+    settings = load_settings(env={"WORKHORSE_MAX_MEMORY_PER_CHILD": text})
+    assert settings.max_memory_per_child == expected
 
 
 @pytest.mark.parametrize("text", ["-1", "lots", "12XB", "0", "1.5"])
@@ -252,7 +255,8 @@ def test_bad_memory_sizes(text):
 
 
 def test_optional_values_are_unset_with_none(tmp_path):
-    path = write(tmp_path / "w.toml", "[tasks]\ntime_limit = \"none\"\n[results]\nresult_expires = 'None'\n")
+    path = write(tmp_path / "w.toml",
+                 "[tasks]\ntime_limit = \"none\"\n[results]\nresult_expires = 'None'\n")
     settings = load_settings(config_file=path, env=ENV)
     assert settings.time_limit is None and settings.result_expires is None
 

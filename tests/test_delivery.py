@@ -112,7 +112,8 @@ def test_raised_with_acks_on_failure_false_is_dead_lettered(broker, client, star
     result = fail.delay("x")
     assert isinstance(failure(result), ValueError)
     [(headers, _)] = dead_letters(broker, 1)
-    assert headers[DEAD_TASK_HEADER] == result.id and headers[DEAD_REASON_HEADER].startswith("failed")
+    assert headers[DEAD_TASK_HEADER] == result.id
+    assert headers[DEAD_REASON_HEADER].startswith("failed")
 
 
 def test_hard_limit_is_acked_by_default(broker, client, start_worker, tmp_path):

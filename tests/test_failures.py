@@ -8,7 +8,7 @@ from workhorse import MaxRetriesExceededError, chain
 from workhorse.daemon.consumer import DEAD_REASON_HEADER
 from workhorse.states import PENDING, RETRY, SUCCESS
 
-from .conftest import runs, wait_until
+from .conftest import wait_until
 from .test_delivery import dead_letters, failure, starts
 
 pytestmark = pytest.mark.timeout(120)

@@ -2,19 +2,19 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from workhorse.exceptions import MalformedMessage
 from workhorse.protocol import DELIVERIES_HEADER, build_message, decode_body, parse_request
 
-NOW = datetime(2026, 11, 22, 8, 40, 1, 751593, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 22, 8, 40, 1, 751593, tzinfo=UTC)
 
 
 def test_message_has_every_celery_v2_header():
-    msg = build_message("tasks.add", "77a6", [4, 5], {}, eta=NOW, expires=NOW + timedelta(minutes=1),
-                        now=NOW)
+    msg = build_message("tasks.add", "77a6", [4, 5], {}, eta=NOW,
+                        expires=NOW + timedelta(minutes=1), now=NOW)
     assert set(msg.headers) >= {
         "lang", "task", "id", "shadow", "eta", "expires", "group", "group_index", "retries",
         "timelimit", "root_id", "parent_id", "argsrepr", "kwargsrepr", "origin", "ignore_result",
@@ -46,13 +46,13 @@ def test_celery_sent_headers_parse():
                "stamps": {}}
     request = parse_request(headers)
     assert request.task == "tasks.add"
-    assert request.eta == datetime(2026, 11, 22, 8, 41, 1, 751593, tzinfo=timezone.utc)
+    assert request.eta == datetime(2026, 11, 22, 8, 41, 1, 751593, tzinfo=UTC)
     assert request.deliveries == 0
 
 
 def test_naive_eta_means_utc():
     request = parse_request({"task": "t", "id": "i", "eta": "2026-11-22T08:41:01"})
-    assert request.eta is not None and request.eta.tzinfo == timezone.utc
+    assert request.eta is not None and request.eta.tzinfo == UTC
 
 
 @pytest.mark.parametrize("headers, complaint", [

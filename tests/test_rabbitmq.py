@@ -42,7 +42,7 @@ def amqp_with_dlx(tmp_path):
     with broker.connection() as conn:
         try:
             conn.default_channel.exchange_delete(dlx)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - cleanup is best effort
             pass
     broker.cleanup()
 

@@ -157,7 +157,7 @@ def test_a_connect_that_fails_half_way_keeps_nothing(consumer_on_private_redis,
     server = redis.Redis(port=private_redis.port)
     server.execute_command("REPLICAOF", "127.0.0.1", "1")     # read-only, never synced
     try:
-        with pytest.raises(Exception):
+        with pytest.raises(redis.exceptions.ReadOnlyError):
             consumer.connect(8, lambda: True, retries=0)
         assert not consumer.connected
     finally:

@@ -21,7 +21,7 @@ def test_ready_watchdog_and_stopping_are_notified(tmp_path):
     def got(text: str) -> bool:
         try:
             received.append(sock.recv(4096).decode())
-        except socket.timeout:
+        except TimeoutError:
             pass
         return any(text in r for r in received)
     try:

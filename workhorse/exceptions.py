@@ -33,7 +33,7 @@ class MalformedMessage(WorkhorseError):
     """A message that cannot be read as a Celery protocol v2 task message."""
 
 
-class TimeoutError(builtins.TimeoutError, WorkhorseError):  # noqa: A001 - Celery's name
+class TimeoutError(builtins.TimeoutError, WorkhorseError):  # shadows the builtin: Celery's name
     """``AsyncResult.get()`` waited its whole timeout without a ready result."""
 
 

@@ -8,6 +8,7 @@ workhorse never re-declares what an operator set up.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from amqp.exceptions import NotFound, PreconditionFailed
@@ -53,8 +54,10 @@ def _amqp_queue_exists(connection: Connection, name: str) -> bool:
 
 #: RabbitMQ's refusal of an inequivalent declaration names the argument and its value.
 _REFUSAL = re.compile(r"inequivalent arg '(?P<arg>[^']+)'.*?but current is "
-                      r"(?:the value '(?P<typed>.*)' of type '(?P<type>\w+)'|'(?P<plain>.*)'|none)$")
-_TYPES = {"longstr": str, "bool": lambda v: v == "true", "double": float, "float": float}
+                      r"(?:the value '(?P<typed>.*)' of type '(?P<type>\w+)'"
+                      r"|'(?P<plain>.*)'|none)$")
+_TYPES: dict[str, Callable[[str], object]] = {
+    "longstr": str, "bool": lambda v: v == "true", "double": float, "float": float}
 PROBE_VALUE = "\x00workhorse-probe"
 
 

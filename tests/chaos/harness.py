@@ -155,7 +155,7 @@ class Chaos:
                 try:
                     chaos_work.apply_async((duration,), task_id=task_id)
                     break
-                except Exception:  # noqa: BLE001
+                except Exception:  # noqa: BLE001 - whatever the outage raises, send again
                     if stop.wait(0.2):
                         return
             sent.append(task_id)

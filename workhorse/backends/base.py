@@ -118,7 +118,7 @@ class Backend(ABC):
         """Drop the connection after an error, so the next attempt opens a new one."""
         self.close()
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a default: a backend may hold no connections
         """Release connections; the backend reconnects on next use."""
 
     # -- resilience
@@ -144,7 +144,8 @@ class Backend(ABC):
     def store_result(self, task_id: str, result: Any, state: str,
                      traceback: str | None = None, request: RequestInfo | None = None,
                      extra: Mapping[str, Any] | None = None) -> None:
-        meta = build_meta(task_id, state, result, traceback, request=request, extended=self.extended)
+        meta = build_meta(task_id, state, result, traceback, request=request,
+                          extended=self.extended)
         if extra:
             meta.update(extra)
         try:

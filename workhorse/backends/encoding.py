@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from kombu.utils.json import dumps, loads
@@ -97,7 +97,7 @@ def build_meta(
         "result": result,
         "traceback": traceback,
         "children": [],
-        "date_done": datetime.now(timezone.utc).isoformat() if state in READY_STATES else None,
+        "date_done": datetime.now(UTC).isoformat() if state in READY_STATES else None,
         "task_id": task_id,
     }
     if request:

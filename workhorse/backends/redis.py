@@ -228,7 +228,7 @@ class RedisBackend(Backend):
         def count() -> list[Any]:
             return self.client.eval(_PART_RETURN, 5, *keys, task_id, value, score,
                                     int(self.expires or 0), CHORD_CLAIM_SECONDS, token)
-        ready, total, claimed = self.retrying(f"counting chord {group_id}", count)
+        ready, _total, claimed = self.retrying(f"counting chord {group_id}", count)
         if ready == -1 or not claimed:
             return None
         members = self.retrying(f"reading chord {group_id}",

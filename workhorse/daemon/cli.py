@@ -11,7 +11,14 @@ from dataclasses import asdict
 
 from .. import __version__
 from ..app import App
-from ..config import ConfigError, Settings, add_setting_arguments, cli_values, load_settings, render_settings
+from ..config import (
+    ConfigError,
+    Settings,
+    add_setting_arguments,
+    cli_values,
+    load_settings,
+    render_settings,
+)
 from ..exceptions import AppImportError
 from .appload import load_app
 from .exitcodes import ExitCode

@@ -42,7 +42,8 @@ class ProcessHandle(Protocol):
 
 #: Why a child may have died, for the log line an operator reads.
 _SIGNAL_HINTS = {
-    signal.SIGKILL: "out of memory? (the kernel's OOM killer sends SIGKILL) or killed by an operator",
+    signal.SIGKILL: "out of memory? (the kernel's OOM killer sends SIGKILL) "
+                    "or killed by an operator",
     signal.SIGSEGV: "a crash in C code (an extension module?)",
     signal.SIGBUS: "a crash in C code (an extension module, or a truncated mmap?)",
     signal.SIGABRT: "an abort() in C code (a failed assertion in an extension?)",

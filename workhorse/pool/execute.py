@@ -60,6 +60,7 @@ class TaskExecution:
         job = self.job
         request = parse_request(job.headers)   # the supervisor checked these already
         self.label = f"{job.task}[{request.id}]"
+        self.task_id = request.id
         task = self.app.tasks.get(job.task)
         if task is None:   # the supervisor checks the registry first; never trust it blindly
             return Finished(Outcome.UNKNOWN_TASK, str(NotRegistered(job.task)))
@@ -165,7 +166,7 @@ class TaskExecution:
     def _run(self, task: Task, args: list[Any], kwargs: dict[str, Any]) -> Finished:
         backend = self.app.backend
         if self.job.track_started and self.store:
-            backend.mark_as_started(self.context.id, request=self.info)
+            backend.mark_as_started(self.task_id, request=self.info)
         started = time.monotonic()
         try:
             with self.armed():
@@ -194,7 +195,7 @@ class TaskExecution:
         if self.store:
             self.info["children"] = [child.as_tuple() for child in self.context.children]
             try:
-                self.app.backend.mark_as_done(self.context.id, retval, request=self.info)
+                self.app.backend.mark_as_done(self.task_id, retval, request=self.info)
             except ResultEncodeError as exc:
                 log.error("Task %s returned a value that cannot be stored: %s", self.label, exc)
                 return self._failed(exc, None, runtime)
@@ -231,10 +232,10 @@ class TaskExecution:
     def _store_failure(self, exc: BaseException, tb: str | None) -> None:
         backend = self.app.backend
         try:
-            backend.mark_as_failure(self.context.id, exc, tb, request=self.info)
+            backend.mark_as_failure(self.task_id, exc, tb, request=self.info)
         except ResultEncodeError:
             # The exception's own args would not encode: store a plain description instead.
-            backend.mark_as_failure(self.context.id, ResultEncodeError(
+            backend.mark_as_failure(self.task_id, ResultEncodeError(
                 f"{type(exc).__name__}: {exc!r}"[:2000]), tb, request=self.info)
 
     # ------------------------------------------------------------------ retries
@@ -265,7 +266,7 @@ class TaskExecution:
             try:
                 signature(data, self.app).apply_async(
                     (retval,), parent_id=ctx.id, root_id=ctx.root_id, **extra)
-            except Exception:  # noqa: BLE001 - the task itself succeeded and is stored
+            except Exception:  # logged, not raised: the task itself succeeded and is stored
                 log.exception("Task %s: could not send its callback %s", self.label,
                               data.get("task"))
 
@@ -276,5 +277,5 @@ class TaskExecution:
         """A chord header task's final outcome counts toward its chord."""
         ctx = self.context
         if ctx.chord and ctx.group:
-            chord_part_return(self.app, ctx.group, ctx.id, ctx.group_index, state, result,
+            chord_part_return(self.app, ctx.group, self.task_id, ctx.group_index, state, result,
                               ctx.chord, inline_errbacks=True)

@@ -10,7 +10,7 @@ import errno
 import os
 import pickle
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 _LEN = struct.Struct("!I")
@@ -65,7 +65,6 @@ class Done:
     outcome: str           # an Outcome value
     detail: str | None = None
     rss: int = 0           # the child's resident set size in bytes, measured after the task
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def encode(obj: object) -> bytes:

@@ -179,6 +179,6 @@ class Store:
 
     def bindings(self, exchange: str) -> list[tuple[str, str, str]]:
         with self._lock:
-            return [tuple(r) for r in self.conn.execute(  # type: ignore[misc]
+            return [tuple(r) for r in self.conn.execute(
                 "SELECT routing_key, pattern, queue FROM bindings WHERE exchange = ?",
                 (exchange,)).fetchall()]
