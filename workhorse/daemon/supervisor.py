@@ -3,13 +3,14 @@
     Holding     every held message by stage; the window's arithmetic     (holding.py)
     Intake      where an arriving message goes; ETA timers                (intake.py)
     Slots       the children: spawn, reap, replace, recycle, time limits  (slots.py)
+    Dispatch    buffered messages to idle children; ack at start          (dispatch.py)
     Settlement  store what only the supervisor can, then ack/requeue/DLQ (settlement.py)
     Leases      renew what is held, and idempotency claims                (leases.py)
     Reconnect   back-off after a lost broker connection                   (reconnect.py)
     System      every OS call, the seam for tests without fork            (system.py)
 
 This module keeps the loop, the phases, the ``handle_<signal>`` methods and the order of
-shutdown, and hands buffered messages to idle children. Signals only wake the loop.
+shutdown. Signals only wake the loop.
 """
 from __future__ import annotations
 
@@ -18,20 +19,19 @@ import logging
 import signal
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kombu.message import Message
 
 from ..app import result_retry_policy
 from ..backends import RetryPolicy
 from ..outcome import Outcome
-from ..pool.child import Child
-from ..pool.ipc import Done, Job
-from ..pool.limits import effective_limit
+from ..pool.ipc import Done
 from ..pool.runtime import ChildRuntime
 from . import systemd
 from .consumer import POLL_INTERVAL, BrokerConsumer
 from .delivery import Delivery
+from .dispatch import Dispatch
 from .holding import Holding
 from .intake import Intake
 from .leases import Leases
@@ -52,9 +52,6 @@ HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD
                    signal.SIGUSR1)
 #: How often the worker deletes expired results from stores that do not expire them.
 RESULT_PURGE_INTERVAL = 300.0
-#: A message whose task id is running here already (RabbitMQ gave it back when the
-#: connection was lost, and delivered it again) waits this long before it is looked at.
-SAME_ID_RECHECK = 1.0
 #: How often idle children's memory is compared with max_memory_per_child.
 IDLE_MEMORY_CHECK = 2.0
 
@@ -93,6 +90,10 @@ class Supervisor:
                                            settings.max_memory_per_child), self._accepting)
         self.leases = Leases(app, self.consumer, self.holding, settings.visibility_timeout,
                              self._changed)
+        self.dispatch = Dispatch(settings, self.holding, self.intake, self.slots,
+                                 self.consumer.ack, lambda: self.consumer.push,
+                                 self._update_flow,
+                                 lambda seq: f"{self.hostname}:{self.system.getpid()}:{seq}")
         self.reconnect = Reconnect(self.loop, self.system.monotonic, self._connect,
                                    lambda: self._accepting() and not self.consumer.connected,
                                    self._restored)
@@ -233,12 +234,13 @@ class Supervisor:
 
     def _after_events(self) -> None:
         self._accept_received()
-        self._dispatch()
+        if self._accepting():
+            self.dispatch.dispatch()
         if self._want_poll and self.has_room():
             self._want_poll = False
             self.consumer.poll()
             self._accept_received()
-            self._dispatch()
+            self.dispatch.dispatch()
         self._maybe_stopped()
 
     def _poll_timer(self) -> None:
@@ -268,81 +270,6 @@ class Supervisor:
                 self.intake.accept(queue, message)
             else:
                 self.settlement.give_back(message)   # arrived after we stopped fetching
-
-    # ------------------------------------------------------------------ dispatch
-    def _dispatch(self) -> None:
-        if not self._accepting():
-            return
-        for child in list(self.slots.idle()):
-            delivery = self._next_startable()
-            if delivery is None:
-                return
-            self._start(child, delivery)
-
-    def _next_startable(self) -> Delivery | None:
-        while (delivery := self.holding.next_buffered()) is not None:
-            if self.intake.expired(delivery):     # it waited (ETA, buffer) past its expiry
-                continue
-            if self.holding.has_task_id(delivery.request.id or ""):
-                log.info("%s: a copy of it runs here already; looking again in %.0f s",
-                         delivery.label, SAME_ID_RECHECK)
-                self.intake.schedule(delivery, SAME_ID_RECHECK)
-                continue
-            return delivery
-        return None
-
-    def _start(self, child: Child, delivery: Delivery) -> None:
-        if not (delivery.policy.acks_late or delivery.acked or self._ack_at_start(delivery)):
-            return
-        hard, soft = self._limits(delivery)
-        if not self.slots.start(child, delivery, self._job(delivery), hard, soft):
-            self.holding.buffer_first(delivery)     # never started: first in line again
-            return
-        self.holding.start(delivery)
-        delivery.started = True
-        delivery.deliveries = delivery.request.deliveries + 1
-
-    def _job(self, delivery: Delivery) -> Job:
-        request, message = delivery.request, delivery.message
-        return Job(delivery.seq, request.task, message.body, message.content_type,
-                   message.content_encoding, dict(message.headers or {}),
-                   dict(message.delivery_info or {}), self._track_started(delivery.task),
-                   delivery.queue, (message.properties or {}).get("priority"),
-                   delivery.policy.acks_late,
-                   claim_owner=f"{self.hostname}:{self.system.getpid()}:{delivery.seq}",
-                   claim_ttl=self.settings.visibility_timeout)
-
-    def _ack_at_start(self, delivery: Delivery) -> bool:
-        """At-most-once: acked before its child gets it, so an ack that fails never lets it
-        run twice. The broker would count the freed slot as room for one more: shrink its
-        credit first (same channel, so in that order). False: not acked, not started."""
-        delivery.acked = True
-        self._update_flow(starting=1)
-        try:
-            self.consumer.ack(delivery.message)
-            return True
-        except Exception as exc:  # noqa: BLE001 - the broker still has it
-            delivery.acked = False
-            self._update_flow()
-            if self.consumer.push:       # RabbitMQ took it back with the connection
-                self.holding.settle(delivery)
-                log.warning("%s: could not ack it at start (%r); not started, the broker "
-                            "delivers it again", delivery.label, exc)
-            else:                        # still leased to us: try again shortly
-                log.warning("%s: could not ack it at start (%r); trying again in %.0f s",
-                            delivery.label, exc, SAME_ID_RECHECK)
-                self.intake.schedule(delivery, SAME_ID_RECHECK)
-            return False
-
-    def _track_started(self, task: Any) -> bool:
-        value = getattr(task, "track_started", None)
-        return self.settings.track_started if value is None else bool(value)
-
-    def _limits(self, delivery: Delivery) -> tuple[float | None, float | None]:
-        """Header (which carries the call's options) > task decorator > configuration."""
-        request, task, s = delivery.request, delivery.task, self.settings
-        return (effective_limit(request.time_limit, task.time_limit, s.time_limit),
-                effective_limit(request.soft_time_limit, task.soft_time_limit, s.soft_time_limit))
 
     # ------------------------------------------------------------------ pool events
     def job_done(self, delivery: Delivery, done: Done) -> None:

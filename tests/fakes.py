@@ -1,0 +1,203 @@
+"""Fakes for tier-1 tests of the supervisor's parts: a clock, an OS that never forks, child
+handles, a broker connection and a result store that record what is asked of them."""
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
+from typing import Any
+
+from workhorse.backends import RetryPolicy
+from workhorse.daemon.delivery import Delivery
+from workhorse.daemon.loop import Loop
+from workhorse.outcome import Policy
+from workhorse.pool.ipc import Hello
+from workhorse.protocol import parse_request
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+        self.wall = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def __call__(self) -> float:
+        return self.t
+
+    def now(self) -> datetime:
+        return self.wall + timedelta(seconds=self.t - 1000.0)
+
+    def advance(self, loop: Loop, seconds: float) -> None:
+        """Move time on and run the timers that fell due."""
+        self.t += seconds
+        loop.run_due()
+
+
+class FakeHandle:
+    """A child process that never existed: frames are queued by the test."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.read_fd = -pid            # never a real fd: the loop ignores unknown ones
+        self.sent: list[object] = []
+        self.inbox: list[object] = [Hello(pid)]
+        self.at_eof = False
+        self.code: int | None = None
+        self.killed = 0
+        self.closed = False
+
+    def send(self, frame: object) -> None:
+        self.sent.append(frame)
+
+    def receive(self) -> list[object]:
+        frames, self.inbox = self.inbox, []
+        return frames
+
+    def kill_tree(self) -> None:
+        self.killed += 1
+        self.code = -9
+
+    def exitcode(self) -> int | None:
+        return self.code
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeOS:
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.handles: list[FakeHandle] = []
+        self.signals: list[tuple[int, int]] = []
+        self.memory: dict[int, int] = {}
+
+    def monotonic(self) -> float:
+        return self.clock()
+
+    def now(self) -> datetime:
+        return self.clock.now()
+
+    def getpid(self) -> int:
+        return 1
+
+    def mark_fds(self) -> None:
+        pass
+
+    def spawn(self, number: int, make_runtime: Callable[..., Any]) -> FakeHandle:
+        handle = FakeHandle(100 + len(self.handles))
+        self.handles.append(handle)
+        return handle
+
+    def signal(self, pid: int, sig: int) -> None:
+        self.signals.append((pid, sig))
+
+    def rss(self, pid: int) -> int | None:
+        return self.memory.get(pid)
+
+
+class FakeLoop(Loop):
+    """A Loop whose readers are never selected (fake fds): tests call them directly."""
+
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
+        pass
+
+    def remove_reader(self, fd: int) -> None:
+        pass
+
+
+@dataclass
+class FakeBroker:
+    """Records settle calls as (verb, task id); ``fail`` makes the next calls raise."""
+
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    fail: BaseException | None = None
+    leased: bool = True
+    lost: set[str] = field(default_factory=set)      # task ids whose lease is gone
+
+    def _do(self, verb: str, message: Any) -> None:
+        if self.fail is not None:
+            raise self.fail
+        self.calls.append((verb, message.headers["id"]))
+
+    def ack(self, message: Any) -> None:
+        self._do("ack", message)
+
+    def requeue(self, message: Any) -> None:
+        self._do("requeue", message)
+
+    def requeue_counted(self, queue: str, message: Any, deliveries: int) -> None:
+        self._do(f"requeue_counted:{deliveries}", message)
+
+    def hand_back(self, queue: str, message: Any) -> None:
+        self._do("hand_back", message)
+
+    def dead_letter(self, queue: str, message: Any, reason: str, task_id: str | None,
+                    worker: str, *, acked: bool) -> None:
+        self._do("dead_letter", message)
+
+    def forget(self, message: Any) -> None:
+        self._do("forget", message)
+
+    def renew(self, messages: list[Any]) -> list[Any]:
+        return [m for m in messages if m.headers["id"] in self.lost]
+
+    def is_connection_error(self, exc: BaseException) -> bool:
+        return isinstance(exc, ConnectionError)
+
+
+class FakeBackend:
+    """Records stored results as (state, task id, exception type name)."""
+
+    def __init__(self) -> None:
+        self.stored: list[tuple[str, str, str]] = []
+        self.fail: BaseException | None = None
+        self.released: list[str] = []
+
+    def _store(self, state: str, task_id: str, exc: BaseException | None) -> None:
+        if self.fail is not None:
+            raise self.fail
+        self.stored.append((state, task_id, type(exc).__name__ if exc else ""))
+
+    def mark_as_failure(self, task_id: str, exc: BaseException, tb: Any, request: Any) -> None:
+        self._store("FAILURE", task_id, exc)
+
+    def mark_as_revoked(self, task_id: str, reason: str, request: Any) -> None:
+        self._store("REVOKED", task_id, None)
+
+    def exception_safe_to_retry(self, exc: BaseException) -> bool:
+        return isinstance(exc, ConnectionError)
+
+    def on_connection_error(self, exc: BaseException) -> None:
+        pass
+
+    def renew_claims(self, claims: dict[str, str], ttl: float) -> list[str]:
+        return []
+
+    def release_claim(self, key: str, owner: str) -> None:
+        self.released.append(key)
+
+
+def fake_app(*task_names: str, **options: Any) -> Any:
+    tasks = {name: SimpleNamespace(name=name, time_limit=None, soft_time_limit=None,
+                                   **options) for name in task_names}
+    return SimpleNamespace(tasks=tasks, backend=FakeBackend())
+
+
+def retry_policy(max_retries: int = 3) -> RetryPolicy:
+    return RetryPolicy(always_retry=True, max_retries=max_retries, base_sleep=0.5, max_sleep=1.0)
+
+
+def message(task: str = "t.add", **headers: Any) -> Any:
+    """A received message as kombu hands it over (only what the supervisor reads)."""
+    all_headers = {"lang": "py", "task": task, "id": str(uuid.uuid4()), **headers}
+    return SimpleNamespace(headers=all_headers, body=b'[[], {}, {}]',
+                           content_type="application/json", content_encoding="utf-8",
+                           delivery_info={"routing_key": "q"}, properties={})
+
+
+def delivery(seq: int = 1, policy: Policy | None = None, task: str = "t.add",
+             **headers: Any) -> Delivery:
+    m = message(task, **headers)
+    return Delivery(seq, "q", m, parse_request(m.headers), SimpleNamespace(name=task),
+                    policy or Policy())

@@ -1,0 +1,387 @@
+"""Tier 1: the supervisor's parts against fakes (no fork, no broker, no sleeping)."""
+from __future__ import annotations
+
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from tests.fakes import (
+    FakeBroker,
+    FakeClock,
+    FakeLoop,
+    FakeOS,
+    delivery,
+    fake_app,
+    message,
+    retry_policy,
+)
+from workhorse.daemon.delivery import Stage
+from workhorse.daemon.holding import Holding
+from workhorse.daemon.intake import Intake
+from workhorse.daemon.leases import Leases
+from workhorse.daemon.reconnect import RECONNECT_BACKOFF_MAX, Reconnect, backoff
+from workhorse.daemon.settlement import Settlement
+from workhorse.daemon.slots import CRASH_BACKOFF_MAX, Recycling, Slots, crash_delay
+from workhorse.outcome import Outcome
+from workhorse.pool.child import ChildState, InvalidTransition
+from workhorse.pool.ipc import Done, Job
+
+pytestmark = pytest.mark.timeout(10)
+
+
+# ---------------------------------------------------------------------- holding
+def test_holding_moves_a_delivery_through_its_stages_and_guards_each_move():
+    h = Holding(window=2)
+    d = delivery()
+    h.buffer_last(d)
+    assert (d.stage, h.held) == (Stage.BUFFERED, 1)
+    assert h.next_buffered() is d
+    h.start(d)
+    assert d in h.running and h.held == 1
+    h.store(d)
+    assert d in h.storing and h.held == 0
+    h.settle(d)
+    assert d.stage is Stage.SETTLED and not list(h.all())
+    with pytest.raises(InvalidTransition, match="is settled, expected"):
+        h.start(d)
+
+
+def test_holding_cancels_the_timer_of_a_delivery_leaving_the_schedule():
+    h = Holding(window=2)
+    d = delivery()
+    cancelled = []
+    d.timer = SimpleNamespace(cancel=lambda: cancelled.append(True))
+    h.schedule(d)
+    h.settle(d)
+    assert cancelled == [True] and d.timer is None
+
+
+def test_credit_is_the_window_plus_scheduled_and_unacked_storing_minus_acked_running():
+    h = Holding(window=4)
+    running_acked, running, scheduled, storing = (delivery(i) for i in range(4))
+    running_acked.acked = True
+    for d in (running_acked, running):
+        h.buffer_last(d)
+        h.next_buffered()
+        h.start(d)
+    h.schedule(scheduled)
+    h.store(storing)
+    assert h.credit(now=0.0) == 4 + 1 + 1 - 1
+    assert h.credit(now=0.0, starting=1) == 4 + 1 + 1 - 2
+    h.paused_until = 10.0
+    assert h.credit(now=5.0) == 0 and not h.has_room(5.0)
+
+
+def test_window_bounds_received_buffered_and_running_not_scheduled():
+    h = Holding(window=2)
+    h.inbox.append(("q", message()))
+    h.buffer_last(delivery(1))
+    assert not h.has_room(0.0)
+    h.inbox.clear()
+    h.schedule(delivery(2))
+    assert h.has_room(0.0)
+
+
+def test_take_waiting_returns_buffered_then_scheduled_in_arrival_order():
+    h = Holding(window=5)
+    late, early, buffered = delivery(3), delivery(1), delivery(2)
+    h.schedule(late)
+    h.schedule(early)
+    h.buffer_last(buffered)
+    assert h.take_waiting() == [buffered, early, late]
+    assert all(d.stage is Stage.SETTLED for d in (late, early, buffered))
+
+
+# ---------------------------------------------------------------------- settlement
+def make_settlement(clock: FakeClock, retries: int = 3):
+    app = fake_app("t.add")
+    broker = FakeBroker()
+    loop = FakeLoop(clock)
+    holding = Holding(window=4)
+    changes = []
+    settlement = Settlement(app, broker, loop, holding, "w@h", retry_policy(retries),
+                            lambda: changes.append(1))
+    return settlement, app, broker, loop, holding
+
+
+def running(holding: Holding, d):
+    holding.buffer_last(d)
+    holding.next_buffered()
+    holding.start(d)
+    d.started = True
+    d.deliveries = 1
+    return d
+
+
+def test_a_killed_task_stores_time_limit_failure_then_acks():
+    clock = FakeClock()
+    settlement, app, broker, _, holding = make_settlement(clock)
+    d = running(holding, delivery())
+    settlement.settle(d, Outcome.TIME_LIMIT, "hard time limit (4 s) exceeded")
+    assert app.backend.stored == [("FAILURE", d.request.id, "TimeLimitExceeded")]
+    assert broker.calls == [("ack", d.request.id)] and d.stage is Stage.SETTLED
+
+
+def test_a_store_outage_holds_the_message_and_retries_from_timers_until_stored():
+    clock = FakeClock()
+    settlement, app, broker, loop, holding = make_settlement(clock)
+    d = running(holding, delivery())
+    app.backend.fail = ConnectionError("store down")
+    settlement.settle(d, Outcome.TIME_LIMIT, "hard time limit (4 s) exceeded")
+    assert d.stage is Stage.STORING and broker.calls == []
+    clock.advance(loop, 0.5)                 # the first retry fails again: still held
+    assert d.stage is Stage.STORING and broker.calls == []
+    app.backend.fail = None
+    clock.advance(loop, 1.0)
+    assert app.backend.stored == [("FAILURE", d.request.id, "TimeLimitExceeded")]
+    assert broker.calls == [("ack", d.request.id)]
+
+
+def test_a_store_that_never_comes_back_requeues_counted_never_acks_without_a_result():
+    clock = FakeClock()
+    settlement, app, broker, loop, holding = make_settlement(clock, retries=2)
+    d = running(holding, delivery())
+    app.backend.fail = ConnectionError("store down")
+    settlement.settle(d, Outcome.TIME_LIMIT, "hard time limit (1 s) exceeded")
+    for _ in range(3):
+        clock.advance(loop, 1.0)
+    assert broker.calls == [("requeue_counted:1", d.request.id)]
+
+
+def test_a_broker_error_while_settling_is_contained():
+    clock = FakeClock()
+    settlement, _, broker, _, holding = make_settlement(clock)
+    d = running(holding, delivery())
+    broker.fail = ConnectionError("broker gone")
+    settlement.settle(d, Outcome.SUCCEEDED, None)     # does not raise
+    assert d.stage is Stage.SETTLED
+
+
+def test_giving_up_storing_at_shutdown_requeues_instead_of_acking():
+    clock = FakeClock()
+    settlement, app, broker, _, holding = make_settlement(clock)
+    d = running(holding, delivery())
+    app.backend.fail = ConnectionError("store down")
+    settlement.settle(d, Outcome.TIME_LIMIT, "hard time limit (1 s) exceeded")
+    settlement.give_up_storing()
+    assert broker.calls == [("requeue_counted:1", d.request.id)] and not holding.storing
+
+
+# ---------------------------------------------------------------------- intake
+def make_intake(clock: FakeClock, max_scheduled: int = 10):
+    settlement, app, broker, loop, holding = make_settlement(clock)
+    settings = {"acks_late": True, "reject_on_worker_lost": True, "acks_on_failure": True,
+                "acks_on_timeout": True, "max_deliveries": 3, "max_scheduled": max_scheduled}
+    config = type("S", (), {**settings, "__getitem__": lambda self, k: settings[k]})()
+    intake = Intake(app, config, loop, holding, settlement, clock, clock.now, lambda: None,
+                    lambda: True)
+    return intake, app, broker, loop, holding
+
+
+def test_an_unknown_task_is_dead_lettered_with_not_registered_stored():
+    clock = FakeClock()
+    intake, app, broker, _, holding = make_intake(clock)
+    m = message("t.nope")
+    intake.accept("q", m)
+    assert broker.calls == [("dead_letter", m.headers["id"])]
+    assert app.backend.stored == [("FAILURE", m.headers["id"], "NotRegistered")]
+    assert not list(holding.all())
+
+
+def test_a_malformed_message_is_dead_lettered():
+    clock = FakeClock()
+    intake, _, broker, _, _ = make_intake(clock)
+    m = message()
+    m.headers["retries"] = "many"
+    intake.accept("q", m)
+    assert broker.calls == [("dead_letter", m.headers["id"])]
+
+
+def test_an_expired_message_is_revoked_and_acked_without_running():
+    clock = FakeClock()
+    intake, app, broker, _, _ = make_intake(clock)
+    m = message(expires=(clock.now().replace(year=2025)).isoformat())
+    intake.accept("q", m)
+    assert app.backend.stored == [("REVOKED", m.headers["id"], "")]
+    assert broker.calls == [("ack", m.headers["id"])]
+
+
+def test_an_eta_message_waits_scheduled_then_goes_first_in_line():
+    clock = FakeClock()
+    intake, _, _, loop, holding = make_intake(clock)
+    holding.buffer_last(delivery(99))
+    m = message(eta=(clock.now().replace(second=30)).isoformat())
+    intake.accept("q", m)
+    (scheduled,) = holding.scheduled
+    clock.advance(loop, 29.0)
+    assert scheduled.stage is Stage.SCHEDULED
+    clock.advance(loop, 1.5)
+    assert holding.buffer[0] is scheduled and not holding.scheduled
+
+
+def test_past_max_scheduled_eta_messages_are_handed_back_and_fetching_pauses():
+    clock = FakeClock()
+    intake, _, broker, loop, holding = make_intake(clock, max_scheduled=1)
+    eta = (clock.now().replace(minute=5)).isoformat()
+    first, second = message(eta=eta), message(eta=eta)
+    intake.accept("q", first)
+    intake.accept("q", second)
+    assert broker.calls == [("hand_back", second.headers["id"])]
+    assert not holding.has_room(clock())
+    clock.advance(loop, 1.1)
+    assert holding.has_room(clock())
+
+
+# ---------------------------------------------------------------------- leases
+def test_a_lost_lease_drops_a_buffered_message_but_not_a_running_one():
+    clock = FakeClock()
+    _, app, broker, _, holding = make_settlement(clock)
+    leases = Leases(app, broker, holding, 30.0, lambda: None)
+    waiting, active = delivery(1), running(holding, delivery(2))
+    holding.buffer_last(waiting)
+    broker.lost = {waiting.request.id, active.request.id}
+    leases.renew()
+    assert waiting.stage is Stage.SETTLED and active.stage is Stage.RUNNING
+    assert broker.calls == [("forget", waiting.request.id)]
+
+
+# ---------------------------------------------------------------------- reconnect
+def test_reconnect_backs_off_doubling_to_a_cap():
+    assert [backoff(n) for n in range(4)] == [0.0, 0.5, 1.0, 2.0]
+    assert backoff(50) == RECONNECT_BACKOFF_MAX
+
+
+def test_reconnect_retries_from_timers_until_the_broker_answers():
+    clock = FakeClock()
+    loop = FakeLoop(clock)
+    attempts, restored = [], []
+
+    def connect() -> None:
+        attempts.append(clock())
+        if len(attempts) < 3:
+            raise ConnectionError("refused")
+    reconnect = Reconnect(loop, clock, connect, lambda: not restored,
+                          lambda: restored.append(clock()))
+    reconnect.connected()
+    clock.t += 100
+    reconnect.lost()
+    for _ in range(10):
+        clock.advance(loop, 0.25)
+    assert [round(t - attempts[0], 2) for t in attempts] == [0.0, 0.5, 1.5]
+    assert len(restored) == 1
+
+
+# ---------------------------------------------------------------------- slots
+class Events:
+    def __init__(self) -> None:
+        self.done: list[tuple[str, str]] = []
+        self.lost: list[tuple[str, Outcome, str]] = []
+
+    def job_done(self, d, done: Done) -> None:
+        self.done.append((d.request.id, done.outcome))
+
+    def job_lost(self, d, outcome: Outcome, detail: str) -> None:
+        self.lost.append((d.request.id, outcome, detail))
+
+
+def make_slots(clock: FakeClock, size: int = 1, recycling: Recycling | None = None):
+    os_ = FakeOS(clock)
+    loop = FakeLoop(clock)
+    events = Events()
+    accepting = [True]
+    slots = Slots(size, os_, loop, lambda *a: None, events, recycling or Recycling(),
+                  lambda: accepting[0])
+    slots.spawn_all()
+    for slot in slots.slots:
+        assert slot.child is not None
+        slots.on_readable(slot.child)          # Hello
+    return slots, os_, loop, events, accepting
+
+
+JOB = Job(1, "t.add", b"[]", "application/json", "utf-8", {}, {}, False)
+
+
+def test_a_hard_time_limit_kills_the_child_and_reports_it_in_words():
+    clock = FakeClock()
+    slots, os_, loop, events, _ = make_slots(clock)
+    (child,) = slots.idle()
+    d = delivery()
+    assert slots.start(child, d, JOB, hard=4.0, soft=3.0)
+    clock.advance(loop, 3.05)
+    assert os_.signals == [(child.pid, signal.SIGUSR1)]
+    clock.advance(loop, 1.0)
+    assert os_.handles[0].killed == 1
+    slots.reap()
+    assert events.lost == [(d.request.id, Outcome.TIME_LIMIT,
+                            "hard time limit (4 s) exceeded")]
+    new = slots.slots[0].child
+    assert new is not None and new is not child and os_.handles[1].pid == new.pid
+
+
+def test_a_child_lost_mid_task_is_reported_with_how_it_died_and_replaced():
+    clock = FakeClock()
+    slots, os_, _, events, _ = make_slots(clock)
+    (child,) = slots.idle()
+    d = delivery()
+    slots.start(child, d, JOB, None, None)
+    os_.handles[0].code = -signal.SIGSEGV
+    slots.reap()
+    ((task_id, outcome, detail),) = events.lost
+    assert (task_id, outcome) == (d.request.id, Outcome.CHILD_LOST)
+    assert "SIGSEGV" in detail
+    assert len(os_.handles) == 2
+
+
+def test_repeated_crashes_back_off_before_the_next_spawn():
+    assert crash_delay(1) == 0.0 and crash_delay(2) > 0 and crash_delay(99) == CRASH_BACKOFF_MAX
+    clock = FakeClock()
+    slots, os_, loop, _, _ = make_slots(clock)
+    os_.handles[-1].code = 1
+    slots.reap()
+    assert len(os_.handles) == 2               # the first crash is replaced at once
+    os_.handles[-1].code = 1
+    slots.reap()
+    assert len(os_.handles) == 2               # the second waits
+    clock.advance(loop, crash_delay(2) + 0.01)
+    assert len(os_.handles) == 3
+
+
+def test_a_finished_job_reports_done_and_a_child_over_max_tasks_is_recycled():
+    clock = FakeClock()
+    slots, os_, _, events, _ = make_slots(clock, recycling=Recycling(max_tasks=1))
+    (child,) = slots.idle()
+    d = delivery()
+    slots.start(child, d, JOB, None, None)
+    os_.handles[0].inbox.append(Done(1, Outcome.SUCCEEDED.value))
+    slots.on_readable(child)
+    assert events.done == [(d.request.id, "succeeded")]
+    assert child.state is ChildState.STOPPING
+    os_.handles[0].code = 0
+    slots.reap()
+    assert events.lost == [] and len(os_.handles) == 2
+
+
+def test_cold_shutdown_kills_running_children_as_shutdown_and_does_not_replace_them():
+    clock = FakeClock()
+    slots, os_, _, events, accepting = make_slots(clock)
+    (child,) = slots.idle()
+    d = delivery()
+    slots.start(child, d, JOB, None, None)
+    accepting[0] = False
+    slots.kill_all("cold shutdown (SIGQUIT)")
+    slots.reap()
+    assert events.lost == [(d.request.id, Outcome.SHUTDOWN_KILLED, "cold shutdown (SIGQUIT)")]
+    assert slots.all_exited() and len(os_.handles) == 1
+
+
+def test_an_idle_child_over_max_memory_is_recycled():
+    clock = FakeClock()
+    slots, os_, _, _, _ = make_slots(clock, recycling=Recycling(max_memory=100))
+    (child,) = slots.idle()
+    os_.memory[child.pid] = 50
+    slots.check_idle_memory()
+    assert child.state is ChildState.IDLE
+    os_.memory[child.pid] = 500
+    slots.check_idle_memory()
+    assert child.state is ChildState.STOPPING
