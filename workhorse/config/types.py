@@ -27,7 +27,8 @@ class ValueType:
     toml_name: str = "string"
 
     def parse(self, raw: Any) -> Any:
-        if self.optional and (raw is None or (isinstance(raw, str) and raw.strip().lower() in NONE_WORDS)):
+        if self.optional and (raw is None or (isinstance(raw, str)
+                                              and raw.strip().lower() in NONE_WORDS)):
             return None
         return self._parse(raw)
 
@@ -102,7 +103,8 @@ def integer(low: int, high: int | None = None) -> ValueType:
 
 
 def seconds(*, positive: bool) -> ValueType:
-    accepted = "a number of seconds greater than 0" if positive else "a number of seconds, 0 or more"
+    accepted = ("a number of seconds greater than 0" if positive
+                else "a number of seconds, 0 or more")
 
     def parse(raw: Any) -> float:
         if isinstance(raw, bool):
@@ -164,7 +166,8 @@ def choice(*options: str) -> ValueType:
     return ValueType(accepted, parse)
 
 
-def text(check: Callable[[str], str | None] | None = None, accepted: str = "a non-empty string") -> ValueType:
+def text(check: Callable[[str], str | None] | None = None,
+         accepted: str = "a non-empty string") -> ValueType:
     """A string; ``check`` returns a complaint or None."""
     def parse(raw: Any) -> str:
         if not isinstance(raw, str) or not raw.strip():
