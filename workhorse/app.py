@@ -15,6 +15,7 @@ from kombu.exceptions import EncodeError
 from ._state import current_app, current_context, new_task_id, set_current_app
 from .backends import Backend, RetryPolicy, backend_from_url
 from .config import SETTINGS, ConfigError, Settings, load_settings
+from .config.task_options import invalid
 from .forksafe import abandon
 from .protocol import build_message
 from .queues import ensure_queue
@@ -95,13 +96,11 @@ class App:
              **options: Any) -> Task | Callable[[Callable[..., Any]], Task]:
         """Register a function as a task: ``@app.task`` or ``@app.task(name=..., bind=True)``."""
         def register(f: Callable[..., Any]) -> Task:
-            task_name = name or self._default_name(f)
-            cls = base or Task
-            if not (isinstance(cls, type) and issubclass(cls, Task)):
-                raise TypeError(f"task {task_name}: base must be a Task subclass, not {cls!r}")
+            task_name = name if isinstance(name, str) and name.strip() else self._default_name(f)
+            _check_decorator(f"task {task_name}", name, bind, base)
             if task_name in self.tasks:
                 raise ValueError(f"task {task_name!r} is already registered")
-            task = cls(self, f, task_name, bind, options)
+            task = (base or Task)(self, f, task_name, bind, options)
             self.tasks[task_name] = task
             return task
         return register(fun) if fun is not None else register
@@ -255,6 +254,16 @@ class App:
 
     def AsyncResult(self, task_id: str) -> AsyncResult:
         return AsyncResult(task_id, app=self)
+
+
+def _check_decorator(owner: str, name: object, bind: object, base: object) -> None:
+    """The decorator's own keywords; Task checks the options."""
+    if name is not None and not (isinstance(name, str) and name.strip()):
+        raise invalid(owner, "name", "expected a non-empty str, or None", name)
+    if not isinstance(bind, bool):
+        raise invalid(owner, "bind", "expected True or False", bind)
+    if base is not None and not (isinstance(base, type) and issubclass(base, Task)):
+        raise invalid(owner, "base", "expected a Task subclass, or None", base)
 
 
 def result_retry_policy(settings: Settings) -> RetryPolicy:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ._state import current_context, new_task_id, pop_context, push_context
 from .canvas import Signature
+from .config.task_options import OPTIONS, TaskOptionError, check_options, check_time_limits
 from .exceptions import MaxRetriesExceededError, Retry
 from .protocol import countdown_to_eta, utcnow
 
@@ -16,7 +17,8 @@ if TYPE_CHECKING:
     from .app import App
     from .result import AsyncResult
 
-__all__ = ["UNSET", "Context", "Task", "current_context", "new_task_id", "resolve_times"]
+__all__ = ["UNSET", "Context", "Task", "TaskOptionError", "current_context", "new_task_id",
+           "resolve_times"]
 
 
 @dataclass
@@ -64,7 +66,8 @@ _NONE_IS_A_VALUE = frozenset({"max_retries"})
 class Task:
     """A registered task. Options left ``None`` fall back to the configuration.
 
-    Subclass it and pass ``base=`` to ``app.task`` to share options between tasks.
+    Subclass it and pass ``base=`` to ``app.task`` to share options between tasks; options
+    set as class attributes are checked when the subclass is defined.
     """
 
     name: str = ""
@@ -97,31 +100,27 @@ class Task:
     #: in the result store before running: no two runs at once, none after a success.
     idempotent: bool | Callable[..., Any] = False
 
-    OPTIONS: ClassVar[frozenset[str]] = frozenset({
-        "acks_late", "reject_on_worker_lost", "acks_on_failure", "acks_on_timeout",
-        "max_deliveries", "time_limit", "soft_time_limit", "track_started", "ignore_result",
-        "queue", "priority", "typing", "max_retries", "default_retry_delay", "autoretry_for",
-        "dont_autoretry_for", "retry_kwargs", "retry_backoff", "retry_backoff_max",
-        "retry_jitter", "idempotent",
-    })
+    OPTIONS: ClassVar[frozenset[str]] = OPTIONS
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        owner = f"Task subclass {cls.__module__}.{cls.__qualname__}"
+        given = {key: value for key, value in vars(cls).items() if key in OPTIONS}
+        for key, value in check_options(owner, given).items():
+            setattr(cls, key, value)
+        check_time_limits(owner, cls.soft_time_limit, cls.time_limit)
 
     def __init__(self, app: App, fun: Callable[..., Any], name: str, bind: bool,
                  options: Mapping[str, Any]) -> None:
-        unknown = set(options) - self.OPTIONS
-        if unknown:
-            raise TypeError(f"task {name}: unknown option(s) {', '.join(sorted(unknown))}; "
-                            f"accepted: {', '.join(sorted(self.OPTIONS))}")
+        owner = f"task {name}"
+        for key, value in check_options(owner, options).items():
+            setattr(self, key, value)
+        check_time_limits(owner, self.soft_time_limit, self.time_limit)
         self.app = app
         self.name = name
         self.run = fun
         self.bind = bind
         self._stack: list[Context] = []
-        idempotent = options.get("idempotent", False)
-        if not (isinstance(idempotent, bool) or callable(idempotent)):
-            raise TypeError(f"task {name}: idempotent must be True, False or a function of the "
-                            f"task's arguments returning its key, not {idempotent!r}")
-        for key, value in options.items():
-            setattr(self, key, value)
         self.__doc__ = fun.__doc__
         self.__wrapped__ = fun
 
