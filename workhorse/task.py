@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ._state import current_context, new_task_id, pop_context, push_context
 from .canvas import Signature
-from .config.task_options import OPTIONS, TaskOptionError, check_options, check_time_limits
+from .config.task_options import TASK_OPTIONS, TaskOptionError, check_options, check_time_limits
 from .exceptions import MaxRetriesExceededError, Retry
 from .protocol import countdown_to_eta, utcnow
 
@@ -100,12 +100,12 @@ class Task:
     #: in the result store before running: no two runs at once, none after a success.
     idempotent: bool | Callable[..., Any] = False
 
-    OPTIONS: ClassVar[frozenset[str]] = OPTIONS
+    OPTIONS: ClassVar[frozenset[str]] = TASK_OPTIONS
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         owner = f"Task subclass {cls.__module__}.{cls.__qualname__}"
-        given = {key: value for key, value in vars(cls).items() if key in OPTIONS}
+        given = {key: value for key, value in vars(cls).items() if key in TASK_OPTIONS}
         for key, value in check_options(owner, given).items():
             setattr(cls, key, value)
         check_time_limits(owner, cls.soft_time_limit, cls.time_limit)

@@ -77,7 +77,7 @@ OWN_CHECKS: dict[str, Callable[[Any], Any]] = {
 }
 
 #: Every option a task takes, besides the decorator's name, bind and base.
-OPTIONS = frozenset(SETTING_OPTIONS) | frozenset(OWN_CHECKS)
+TASK_OPTIONS = frozenset(SETTING_OPTIONS) | frozenset(OWN_CHECKS)
 
 
 def check_option(name: str, value: Any) -> Any:
@@ -95,12 +95,12 @@ def check_options(owner: str, options: Mapping[str, Any]) -> dict[str, Any]:
     ``acks_lat=True`` would be ignored without a word."""
     checked = {}
     for name, value in options.items():
-        if name not in OPTIONS:
-            close = difflib.get_close_matches(name, sorted(OPTIONS), n=1)
+        if name not in TASK_OPTIONS:
+            close = difflib.get_close_matches(name, sorted(TASK_OPTIONS), n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise TaskOptionError(
                 f"{owner}: unknown option {name}{hint}; task options: "
-                f"{', '.join(sorted(OPTIONS))}; other attributes belong on a Task subclass "
+                f"{', '.join(sorted(TASK_OPTIONS))}; other attributes belong on a Task subclass "
                 "given as base=")
         try:
             checked[name] = check_option(name, value)
