@@ -31,6 +31,17 @@ def test_a_module_that_does_not_import_is_exit_3(tmp_path):
     assert "Traceback" in result.stderr   # the operator sees where it broke
 
 
+def test_a_task_option_of_the_wrong_type_stops_the_worker_with_exit_3(tmp_path):
+    state = tmp_path / "state"
+    result = run("worker", "-A", "tests.apps.bad_option", env={"WORKHORSE_STATE_DIR": str(state)})
+    assert result.returncode == 3, result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        "workhorse: cannot import task module 'tests.apps.bad_option': TaskOptionError: "
+        "task tests.apps.bad_option.add: option max_deliveries: expected an integer from 1 to "
+        "1000, got '3' (a str)")
+    assert not state.exists()     # refused before anything started
+
+
 def test_a_missing_module_is_exit_3(tmp_path):
     result = run("worker", "-A", "tests.apps.nope", env={"WORKHORSE_STATE_DIR": str(tmp_path)})
     assert result.returncode == 3

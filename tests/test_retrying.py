@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from workhorse import App, MaxRetriesExceededError, Retry
+from workhorse import App, MaxRetriesExceededError, Retry, _state
 from workhorse.protocol import utcnow
 from workhorse.retrying import retry_countdown, should_autoretry
 from workhorse.task import Context
@@ -53,8 +53,7 @@ def app(monkeypatch, tmp_path):
     yield app
     # Tests push a running request (as a child does): take it off again, so that nothing
     # sent later in this process thinks it has a parent task.
-    from workhorse import task as task_module
-    task_module._running.clear()
+    _state.clear_contexts()
 
 
 def running(task, retries=0, **fields):

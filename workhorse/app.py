@@ -7,37 +7,36 @@ import ssl
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, ClassVar, overload
 
 from kombu import Connection, Producer
 from kombu.exceptions import EncodeError
 
+from ._state import current_app, current_context, new_task_id, set_current_app
 from .backends import Backend, RetryPolicy, backend_from_url
-from .canvas import Signature
-from .forksafe import abandon
 from .config import SETTINGS, ConfigError, Settings, load_settings
+from .config.task_options import invalid
+from .forksafe import abandon
 from .protocol import build_message
 from .queues import ensure_queue
-from .transport import REDIS as REDIS_TRANSPORT
 from .result import AsyncResult, GroupResult, ResultCache
-from .task import Task, current_context, new_task_id, resolve_times
+from .task import Task, resolve_times
+from .transport import REDIS as REDIS_TRANSPORT
+
+if TYPE_CHECKING:
+    from .canvas import Signature
+
+__all__ = ["App", "BROKER_TIMEOUT", "PUBLISH_RETRY_POLICY", "SEND_OPTIONS", "current_app",
+           "result_retry_policy"]
 
 _SETTING_NAMES = frozenset(s.name for s in SETTINGS)
 #: Seconds a broker call may wait on a silent server (connect, read, publish confirm).
 BROKER_TIMEOUT = 10.0
-_current: list[App] = []
 
 #: How hard a producer tries before ``apply_async`` raises: the caller decides what a
 #: broker outage means for its request, so we do not hang it for long.
 PUBLISH_RETRY_POLICY = {"max_retries": 3, "interval_start": 0.1, "interval_step": 0.5,
                         "interval_max": 1.0}
-
-
-def current_app() -> App:
-    """The most recently created App (what ``AsyncResult(id)`` uses without ``app=``)."""
-    if not _current:
-        raise RuntimeError("no workhorse App has been created in this process")
-    return _current[-1]
 
 
 class App:
@@ -47,8 +46,12 @@ class App:
     worker's command line override them, in that order.
     """
 
-    def __init__(self, main: str | None = None, *, config_file: str | os.PathLike[str] | None = None,
-                 **settings: Any) -> None:
+    #: The options a signature may carry into ``send_task`` (the rest are Celery's own, such
+    #: as ``exchange``); set below, from send_task's signature.
+    SEND_OPTIONS: ClassVar[frozenset[str]]
+
+    def __init__(self, main: str | None = None, *,
+                 config_file: str | os.PathLike[str] | None = None, **settings: Any) -> None:
         unknown = set(settings) - _SETTING_NAMES
         if unknown:
             raise ConfigError(
@@ -65,7 +68,7 @@ class App:
         self._queues_ready: set[str] = set()
         self._backend: Backend | None = None
         self.result_cache = ResultCache()
-        _current.append(self)
+        set_current_app(self)
 
     # -- configuration
     @property
@@ -93,13 +96,11 @@ class App:
              **options: Any) -> Task | Callable[[Callable[..., Any]], Task]:
         """Register a function as a task: ``@app.task`` or ``@app.task(name=..., bind=True)``."""
         def register(f: Callable[..., Any]) -> Task:
-            task_name = name or self._default_name(f)
-            cls = base or Task
-            if not (isinstance(cls, type) and issubclass(cls, Task)):
-                raise TypeError(f"task {task_name}: base must be a Task subclass, not {cls!r}")
+            task_name = name if isinstance(name, str) and name.strip() else self._default_name(f)
+            _check_decorator(f"task {task_name}", name, bind, base)
             if task_name in self.tasks:
                 raise ValueError(f"task {task_name!r} is already registered")
-            task = cls(self, f, task_name, bind, options)
+            task = (base or Task)(self, f, task_name, bind, options)
             self.tasks[task_name] = task
             return task
         return register(fun) if fun is not None else register
@@ -120,12 +121,6 @@ class App:
                 s.result_backend, expires=s.result_expires, extended=s.result_extended,
                 retry=result_retry_policy(s))
         return self._backend
-
-    def AsyncResult(self, task_id: str) -> AsyncResult:  # noqa: N802 - Celery's name
-        return AsyncResult(task_id, app=self)
-
-    def GroupResult(self, group_id: str, results: Sequence[AsyncResult]) -> GroupResult:  # noqa: N802
-        return GroupResult(group_id, results, app=self)
 
     # -- broker
     def connection(self, heartbeat: float = 0) -> Connection:
@@ -252,6 +247,24 @@ class App:
     def __repr__(self) -> str:
         return f"<workhorse.App {self.main or '__main__'} tasks={len(self.tasks)}>"
 
+    # -- Celery's result constructors; last in the class because from here on their names
+    # hide the classes in annotations.
+    def GroupResult(self, group_id: str, results: Sequence[AsyncResult]) -> GroupResult:
+        return GroupResult(group_id, results, app=self)
+
+    def AsyncResult(self, task_id: str) -> AsyncResult:
+        return AsyncResult(task_id, app=self)
+
+
+def _check_decorator(owner: str, name: object, bind: object, base: object) -> None:
+    """The decorator's own keywords; Task checks the options."""
+    if name is not None and not (isinstance(name, str) and name.strip()):
+        raise invalid(owner, "name", "expected a non-empty str, or None", name)
+    if not isinstance(bind, bool):
+        raise invalid(owner, "bind", "expected True or False", bind)
+    if base is not None and not (isinstance(base, type) and issubclass(base, Task)):
+        raise invalid(owner, "base", "expected a Task subclass, or None", base)
+
 
 def result_retry_policy(settings: Settings) -> RetryPolicy:
     """The result_backend_* retry settings as a policy."""
@@ -270,6 +283,6 @@ def _signatures(value: Signature | Sequence[Signature] | None) -> list[dict[str,
     return [dict(item) for item in items] or None
 
 
-#: The options a signature may carry into send_task.
-SEND_OPTIONS = frozenset(inspect.signature(App.send_task).parameters) - {
+App.SEND_OPTIONS = frozenset(inspect.signature(App.send_task).parameters) - {
     "self", "name", "args", "kwargs"}
+SEND_OPTIONS = App.SEND_OPTIONS

@@ -9,13 +9,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ._state import current_app, new_task_id
+from .result import AsyncResult, GroupResult
+
 if TYPE_CHECKING:
     from .app import App
-    from .result import AsyncResult, GroupResult
     from .task import Task
 
 
-class Signature(dict):  # type: ignore[type-arg]
+class Signature(dict[str, Any]):
     """``add.s(2)`` → call later with more arguments; ``add.si(2, 3)`` → call exactly so."""
 
     def __init__(self, task: str | Task | Mapping[str, Any], args: Sequence[Any] = (),
@@ -62,7 +64,6 @@ class Signature(dict):  # type: ignore[type-arg]
     @property
     def app(self) -> App:
         if self._app is None:
-            from .app import current_app
             self._app = current_app()
         return self._app
 
@@ -100,7 +101,8 @@ class Signature(dict):  # type: ignore[type-arg]
         self.link_error(errback)
         return self
 
-    def __or__(self, other: Signature) -> chain:
+    # ``|`` chains tasks (Celery's meaning), it does not merge dicts.
+    def __or__(self, other: Signature) -> chain:  # type: ignore[override]
         if isinstance(other, chain):
             return chain(self, *other.tasks, app=self._app)
         return chain(self, other, app=self._app)
@@ -108,14 +110,14 @@ class Signature(dict):  # type: ignore[type-arg]
     # -- calling
     def apply_async(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
                     **options: Any) -> AsyncResult:
-        from .app import SEND_OPTIONS
         merged_args, merged_kwargs = self._merge(args, kwargs)
         merged = {**self.options, **options}
         if merged.get("queue") is None and merged.get("routing_key"):
             merged["queue"] = merged["routing_key"]   # Celery routing by key = queue name
         # Signatures made by Celery carry options workhorse has no use for (exchange, ...).
         return self.app.send_task(self.name, merged_args, merged_kwargs,
-                                  **{k: v for k, v in merged.items() if k in SEND_OPTIONS})
+                                  **{k: v for k, v in merged.items()
+                                     if k in self.app.SEND_OPTIONS})
 
     def delay(self, *args: Any, **kwargs: Any) -> AsyncResult:
         return self.apply_async(args, kwargs)
@@ -131,7 +133,7 @@ class Signature(dict):  # type: ignore[type-arg]
         return f"{self.name}{'!' if self.immutable else ''}({args})"
 
 
-class chain(Signature):  # noqa: N801 - Celery's name
+class chain(Signature):  # Celery's name
     """Run tasks one after another, each getting the previous one's result; ``apply_async``
     returns the last task's AsyncResult.
 
@@ -157,21 +159,20 @@ class chain(Signature):  # noqa: N801 - Celery's name
     def tasks(self) -> list[Signature]:
         return self.kwargs["tasks"]
 
-    def __or__(self, other: Signature) -> chain:
+    def __or__(self, other: Signature) -> chain:  # type: ignore[override]
         return chain(*self.tasks, other, app=self._app)
 
     def apply_async(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
                     **options: Any) -> AsyncResult:
         errbacks = [*self.options.get("link_error", ()), *_as_list(options.pop("link_error", None))]
-        from .task import new_task_id
         steps = [task.clone() for task in self.tasks]
         for step in steps:
-            step.options.setdefault("task_id", new_task_id())   # known now: the result is the last's
+            # known now: the chain's result is its last step's
+            step.options.setdefault("task_id", new_task_id())
             for errback in errbacks:
                 step.link_error(errback)
         first, rest = steps[0], steps[1:]
         first.apply_async(args, kwargs, chain=list(reversed(rest)) or None, **options)
-        from .result import AsyncResult
         result = None
         for step in steps:     # each step's result has the previous one as its parent
             result = AsyncResult(step.options["task_id"], app=self.app, parent=result)
@@ -188,7 +189,7 @@ class chain(Signature):  # noqa: N801 - Celery's name
         return " | ".join(repr(t) for t in self.tasks)
 
 
-class group(Signature):  # noqa: N801 - Celery's name
+class group(Signature):  # Celery's name
     """Run tasks in parallel; ``apply_async`` returns a GroupResult (not yet saved)."""
 
     def __init__(self, *tasks: Signature | Iterable[Signature], app: App | None = None) -> None:
@@ -207,7 +208,6 @@ class group(Signature):  # noqa: N801 - Celery's name
 
     def freeze(self, group_id: str | None = None) -> tuple[str, list[Signature]]:
         """Fix the group's id and each member's task id and place, before sending."""
-        from .task import new_task_id
         group_id = group_id or self.options.get("task_id") or new_task_id()
         members = []
         for index, task in enumerate(self.tasks):
@@ -216,9 +216,9 @@ class group(Signature):  # noqa: N801 - Celery's name
             members.append(member)
         return group_id, members
 
-    def apply_async(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
-                    **options: Any) -> GroupResult:
-        from .result import GroupResult
+    # A group's result is a GroupResult, as in Celery.
+    def apply_async(self, args: Sequence[Any] = (),  # type: ignore[override]
+                    kwargs: Mapping[str, Any] | None = None, **options: Any) -> GroupResult:
         group_id, members = self.freeze(options.pop("group_id", None))
         results = [member.apply_async(args, kwargs, **options) for member in members]
         return GroupResult(group_id, results, app=self.app)
@@ -227,7 +227,7 @@ class group(Signature):  # noqa: N801 - Celery's name
         return [task(*args, **kwargs) for task in self.tasks]
 
 
-class chord(Signature):  # noqa: N801 - Celery's name
+class chord(Signature):  # Celery's name
     """A group (the header) whose results, in order, go to one task (the body) once all
     header tasks have finished. The count is kept in the result store, so the body runs
     once; a header task that fails fails the body (ChordError) and calls its errbacks.
@@ -240,7 +240,7 @@ class chord(Signature):  # noqa: N801 - Celery's name
         super().__init__("celery.chord", (), {"header": header_group, "body": body},
                          subtask_type="chord", app=app or header_group._app)
 
-    def __call__(self, body: Signature | None = None, **options: Any) -> Any:  # type: ignore[override]
+    def __call__(self, body: Signature | None = None, **options: Any) -> Any:
         """``chord(header)(body)``: apply with this body, as Celery spells it."""
         if body is not None:
             self.kwargs["body"] = body
@@ -248,8 +248,6 @@ class chord(Signature):  # noqa: N801 - Celery's name
 
     def apply_async(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
                     **options: Any) -> AsyncResult:
-        from .result import AsyncResult, GroupResult
-        from .task import new_task_id
         header: group = self.kwargs["header"]
         body = self.kwargs["body"]
         if body is None:

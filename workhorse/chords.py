@@ -65,7 +65,7 @@ def call_errbacks(app: App, errbacks: Any, request: Context, exc: BaseException,
             else:
                 errback.apply_async((request.id,), parent_id=request.id,
                                     root_id=request.root_id or request.id)
-        except Exception:  # noqa: BLE001 - an errback never takes the worker down
+        except Exception:  # an errback never takes the worker down
             log.exception("%s[%s]: its errback %s failed", request.task, request.id,
                           errback.name)
 

@@ -6,6 +6,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ._state import current_app, current_context
 from .backends import decode_exception
 from .exceptions import TaskRevokedError, TimeoutError
 from .states import FAILURE, READY_STATES, REVOKED, SUCCESS
@@ -39,7 +40,6 @@ class ResultCache:
 
 
 def _forbid_inside_task(what: str) -> None:
-    from .task import current_context
     if current_context() is not None:
         raise RuntimeError(
             f"Never call {what} within a task: the task would wait for a worker slot it "
@@ -51,7 +51,6 @@ class AsyncResult:
     """The result of a task by id; reads the result store of ``app`` (default: current app)."""
 
     def __init__(self, id: str, app: App | None = None, parent: AsyncResult | None = None) -> None:
-        from .app import current_app
         self.id = id
         self.app = app or current_app()
         self.parent = parent
@@ -142,10 +141,10 @@ class AsyncResult:
 class ResultSet:
     """Several results, waited on together."""
 
-    def __init__(self, results: Iterable[AsyncResult | GroupResult], app: App | None = None) -> None:
-        from .app import current_app
+    def __init__(self, results: Iterable[AsyncResult | GroupResult],
+                 app: App | None = None) -> None:
         self.results = list(results)
-        self.app = app or (self.results[0].app if self.results else current_app())
+        self.app: App = app or (self.results[0].app if self.results else current_app())
 
     def __iter__(self) -> Iterator[AsyncResult | GroupResult]:
         return iter(self.results)
@@ -210,7 +209,6 @@ class GroupResult(ResultSet):
 
     @classmethod
     def restore(cls, group_id: str, app: App | None = None) -> GroupResult | None:
-        from .app import current_app
         app = app or current_app()
         stored = app.backend.restore_group(group_id)
         return result_from_tuple(stored, app) if stored is not None else None  # type: ignore[return-value]

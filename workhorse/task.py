@@ -2,19 +2,23 @@
 from __future__ import annotations
 
 import inspect
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ._state import current_context, new_task_id, pop_context, push_context
 from .canvas import Signature
+from .config.task_options import TASK_OPTIONS, TaskOptionError, check_options, check_time_limits
 from .exceptions import MaxRetriesExceededError, Retry
 from .protocol import countdown_to_eta, utcnow
 
 if TYPE_CHECKING:
     from .app import App
     from .result import AsyncResult
+
+__all__ = ["UNSET", "Context", "Task", "TaskOptionError", "current_context", "new_task_id",
+           "resolve_times"]
 
 
 @dataclass
@@ -59,20 +63,11 @@ UNSET: Any = _Unset()
 #: Options whose None means something (no limit) rather than "use the configuration".
 _NONE_IS_A_VALUE = frozenset({"max_retries"})
 
-#: Contexts of the tasks running in this process, innermost last (a child runs one at a
-#: time; the stack is for tasks called directly from other tasks).
-_running: list[Context] = []
-
-
-def current_context() -> Context | None:
-    """The request of the task running in this process, if any: the parent of what it sends."""
-    return _running[-1] if _running else None
-
-
 class Task:
     """A registered task. Options left ``None`` fall back to the configuration.
 
-    Subclass it and pass ``base=`` to ``app.task`` to share options between tasks.
+    Subclass it and pass ``base=`` to ``app.task`` to share options between tasks; options
+    set as class attributes are checked when the subclass is defined.
     """
 
     name: str = ""
@@ -105,31 +100,27 @@ class Task:
     #: in the result store before running: no two runs at once, none after a success.
     idempotent: bool | Callable[..., Any] = False
 
-    OPTIONS: ClassVar[frozenset[str]] = frozenset({
-        "acks_late", "reject_on_worker_lost", "acks_on_failure", "acks_on_timeout",
-        "max_deliveries", "time_limit", "soft_time_limit", "track_started", "ignore_result",
-        "queue", "priority", "typing", "max_retries", "default_retry_delay", "autoretry_for",
-        "dont_autoretry_for", "retry_kwargs", "retry_backoff", "retry_backoff_max",
-        "retry_jitter", "idempotent",
-    })
+    OPTIONS: ClassVar[frozenset[str]] = TASK_OPTIONS
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        owner = f"Task subclass {cls.__module__}.{cls.__qualname__}"
+        given = {key: value for key, value in vars(cls).items() if key in TASK_OPTIONS}
+        for key, value in check_options(owner, given).items():
+            setattr(cls, key, value)
+        check_time_limits(owner, cls.soft_time_limit, cls.time_limit)
 
     def __init__(self, app: App, fun: Callable[..., Any], name: str, bind: bool,
                  options: Mapping[str, Any]) -> None:
-        unknown = set(options) - self.OPTIONS
-        if unknown:
-            raise TypeError(f"task {name}: unknown option(s) {', '.join(sorted(unknown))}; "
-                            f"accepted: {', '.join(sorted(self.OPTIONS))}")
+        owner = f"task {name}"
+        for key, value in check_options(owner, options).items():
+            setattr(self, key, value)
+        check_time_limits(owner, self.soft_time_limit, self.time_limit)
         self.app = app
         self.name = name
         self.run = fun
-        self.bind = bind  # type: ignore[misc]
+        self.bind = bind
         self._stack: list[Context] = []
-        idempotent = options.get("idempotent", False)
-        if not (isinstance(idempotent, bool) or callable(idempotent)):
-            raise TypeError(f"task {name}: idempotent must be True, False or a function of the "
-                            f"task's arguments returning its key, not {idempotent!r}")
-        for key, value in options.items():
-            setattr(self, key, value)
         self.__doc__ = fun.__doc__
         self.__wrapped__ = fun
 
@@ -140,11 +131,11 @@ class Task:
 
     def push_request(self, context: Context) -> None:
         self._stack.append(context)
-        _running.append(context)
+        push_context(context)
 
     def pop_request(self) -> None:
         self._stack.pop()
-        _running.pop()
+        pop_context()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the task body in this process, as a plain function call."""
@@ -194,7 +185,7 @@ class Task:
             options["ignore_result"] = True
         return self.app.send_task(self.name, args, kwargs, **options)
 
-    def AsyncResult(self, task_id: str) -> AsyncResult:  # noqa: N802 - Celery's name
+    def AsyncResult(self, task_id: str) -> AsyncResult:  # Celery's name
         return self.app.AsyncResult(task_id)
 
     # -- signatures
@@ -230,7 +221,7 @@ class Task:
         = no limit): re-raise ``exc`` if given, else MaxRetriesExceededError.
         """
         request = self.request
-        if request.called_directly:
+        if request.called_directly or request.id is None:
             raise exc if exc is not None else Retry("task called directly: cannot be retried")
         retries = request.retries + 1
         limit = self.option("max_retries") if max_retries is None else max_retries
@@ -246,11 +237,11 @@ class Task:
             countdown = self.option("default_retry_delay")
         when: Any = eta if eta is not None else countdown
         hard, soft = request.timelimit
-        send = dict(task_id=request.id, retries=retries, queue=request.queue,
-                    priority=request.priority, time_limit=hard, soft_time_limit=soft,
-                    root_id=request.root_id, parent_id=request.parent_id,
-                    group_id=request.group, group_index=request.group_index,
-                    link=request.callbacks, link_error=request.errbacks, chain=request.chain)
+        send: dict[str, Any] = dict(
+            task_id=request.id, retries=retries, queue=request.queue, priority=request.priority,
+            time_limit=hard, soft_time_limit=soft, root_id=request.root_id,
+            parent_id=request.parent_id, group_id=request.group, group_index=request.group_index,
+            link=request.callbacks, link_error=request.errbacks, chain=request.chain)
         send.update(options)
         eta_at, _ = resolve_times(countdown if eta is None else None, eta, None)
         if not (self.ignore_result or request.headers.get("ignore_result")):
@@ -297,6 +288,3 @@ def resolve_times(countdown: float | None, eta: datetime | None,
         raise TypeError(f"expires must be seconds or a datetime, not {expires!r}")
     return eta, expires
 
-
-def new_task_id() -> str:
-    return str(uuid.uuid4())

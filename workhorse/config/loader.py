@@ -113,7 +113,8 @@ def read_toml(path: Path) -> dict[str, Raw]:
 
 def read_ini(path: Path) -> dict[str, Raw]:
     parser = configparser.ConfigParser(interpolation=None, default_section="\0no-defaults")
-    parser.optionxform = str  # type: ignore[assignment,method-assign]  # keys are case-sensitive
+    # keys are case-sensitive
+    parser.optionxform = str  # type: ignore[assignment,method-assign]
     try:
         with path.open() as f:
             parser.read_file(f)

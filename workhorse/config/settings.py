@@ -71,8 +71,8 @@ def _check_url(schemes: tuple[str, ...], extra: str = "") -> Callable[[str], str
 def _check_backend(value: str) -> str | None:
     if value == "disabled" or ("://" not in value and "." in value):
         return None
-    return _check_url(RESULT_SCHEMES,
-                      ", \"disabled\" or a class path (package.module:Class)")(value)
+    check = _check_url(RESULT_SCHEMES, ", \"disabled\" or a class path (package.module:Class)")
+    return check(value)
 
 
 def _check_app(value: str) -> str | None:

@@ -1,10 +1,11 @@
 """Value types for settings: each parses text (INI, env, CLI) and native values (TOML,
-App keywords), validates, and says in one line what it accepts."""
+App keywords), validates, and says in one line what it accepts. ``parse_native`` is the
+strict check for Python values given in code (task options), which are never text to read."""
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,9 @@ class ValueType:
     _parse: Callable[[Any], Any]
     optional: bool = False
     toml_name: str = "string"
+    #: What a Python value of this type is, for a type whose values are not text (numbers,
+    #: booleans); None when a str is a value of the type itself.
+    native: str | None = None
 
     def parse(self, raw: Any) -> Any:
         if self.optional and (raw is None or (isinstance(raw, str)
@@ -32,11 +36,29 @@ class ValueType:
             return None
         return self._parse(raw)
 
+    def parse_native(self, value: Any) -> Any:
+        """A Python value as code gives it: text is not read as a number or a boolean, so
+        ``"3"`` is not 3 and ``"no"`` is not False; ``None`` is the only "none"."""
+        if self.optional and value is None:
+            return None
+        if self.native is None:
+            return self._parse(value)
+        if isinstance(value, str):
+            raise Invalid(f"expected {self.describe_native()}")
+        try:
+            return self._parse(value)
+        except Invalid:
+            raise Invalid(f"expected {self.describe_native()}") from None
+
     def describe(self) -> str:
         return f"{self.accepted}, or none" if self.optional else self.accepted
 
+    def describe_native(self) -> str:
+        accepted = self.native or self.accepted
+        return f"{accepted}, or None" if self.optional else accepted
+
     def or_none(self) -> ValueType:
-        return ValueType(self.accepted, self._parse, True, self.toml_name)
+        return replace(self, optional=True)
 
 
 def boolean() -> ValueType:
@@ -50,7 +72,8 @@ def boolean() -> ValueType:
             if word in _FALSE:
                 return False
         raise Invalid("expected true or false")
-    return ValueType("true or false (also yes/no, on/off, 1/0)", parse, toml_name="boolean")
+    return ValueType("true or false (also yes/no, on/off, 1/0)", parse, toml_name="boolean",
+                     native="True or False")
 
 
 def boolean_or_integer(low: int) -> ValueType:
@@ -79,7 +102,8 @@ def boolean_or_integer(low: int) -> ValueType:
         if value < low:
             raise Invalid(f"expected {accepted}")
         return value
-    return ValueType(accepted, parse, toml_name="boolean or integer")
+    return ValueType(accepted, parse, toml_name="boolean or integer",
+                     native=f"True, False, or an integer of at least {low}")
 
 
 def integer(low: int, high: int | None = None) -> ValueType:
@@ -99,7 +123,7 @@ def integer(low: int, high: int | None = None) -> ValueType:
         if raw < low or (high is not None and raw > high):
             raise Invalid(f"expected {accepted}")
         return raw
-    return ValueType(accepted, parse, toml_name="integer")
+    return ValueType(accepted, parse, toml_name="integer", native=accepted)
 
 
 def seconds(*, positive: bool) -> ValueType:
@@ -119,7 +143,7 @@ def seconds(*, positive: bool) -> ValueType:
         if raw < 0 or (positive and raw == 0):
             raise Invalid(f"expected {accepted}")
         return float(raw)
-    return ValueType(accepted, parse, toml_name="float")
+    return ValueType(accepted, parse, toml_name="float", native=accepted)
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)

@@ -1,0 +1,55 @@
+"""Ambient state of this process: the current App, the contexts of the tasks running here,
+and new task ids.
+
+It imports nothing of workhorse at run time, so every module can import it without
+creating an import cycle (tests/test_import_graph.py).
+"""
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .app import App
+    from .task import Context
+
+#: Apps in the order they were created; the last is the current one.
+_apps: list[App] = []
+
+#: Contexts (``self.request``) of the tasks running in this process, innermost last (a child
+#: runs one task at a time; the stack is for tasks called directly from other tasks).
+_contexts: list[Context] = []
+
+
+def set_current_app(app: App) -> None:
+    """Make ``app`` the current App (every new App does this)."""
+    _apps.append(app)
+
+
+def current_app() -> App:
+    """The most recently created App (what ``AsyncResult(id)`` uses without ``app=``)."""
+    if not _apps:
+        raise RuntimeError("no workhorse App has been created in this process")
+    return _apps[-1]
+
+
+def push_context(context: Context) -> None:
+    _contexts.append(context)
+
+
+def pop_context() -> None:
+    _contexts.pop()
+
+
+def current_context() -> Context | None:
+    """The request of the task running in this process, if any: the parent of what it sends."""
+    return _contexts[-1] if _contexts else None
+
+
+def clear_contexts() -> None:
+    """Forget every running task's context (for tests that play a child's part)."""
+    _contexts.clear()
+
+
+def new_task_id() -> str:
+    return str(uuid.uuid4())
