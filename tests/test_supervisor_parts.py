@@ -293,7 +293,7 @@ def make_slots(clock: FakeClock, size: int = 1, recycling: Recycling | None = No
     slots = Slots(size, os_, loop, lambda *a: None, events, recycling or Recycling(),
                   lambda: accepting[0])
     slots.spawn_all()
-    for slot in slots.slots:
+    for slot in slots.slots.values():
         assert slot.child is not None
         slots.on_readable(slot.child)          # Hello
     return slots, os_, loop, events, accepting
@@ -385,3 +385,53 @@ def test_an_idle_child_over_max_memory_is_recycled():
     os_.memory[child.pid] = 500
     slots.check_idle_memory()
     assert child.state is ChildState.STOPPING
+
+
+def test_resize_grows_at_once_and_shrinks_idle_children_first():
+    clock = FakeClock()
+    slots, os_, _, _, _ = make_slots(clock, size=2)
+    busy = next(iter(slots.idle()))
+    slots.start(busy, delivery(), JOB, None, None)
+    slots.resize(3)
+    assert slots.size == 3 and len(os_.handles) == 3
+    slots.resize(1)                       # two idle children retire, the busy one stays
+    assert [c.state for c in slots.children()].count(ChildState.STOPPING) == 2
+    for handle in os_.handles[1:]:
+        handle.code = 0
+    slots.reap()
+    assert list(slots.slots) == [busy.index] and len(os_.handles) == 3
+
+
+def test_shrinking_a_busy_pool_retires_the_next_child_to_finish():
+    clock = FakeClock()
+    slots, os_, _, events, _ = make_slots(clock, size=2)
+    first, second = slots.idle()
+    slots.start(first, delivery(1), JOB, None, None)
+    slots.start(second, delivery(2), Job(2, "t.add", b"[]", None, None, {}, {}, False),
+                None, None)
+    slots.resize(1)
+    assert slots.size == 1 and first.busy and second.busy
+    os_.handles[1].inbox.append(Done(2, Outcome.SUCCEEDED.value))
+    slots.on_readable(second)
+    assert second.state is ChildState.STOPPING and first.busy
+    os_.handles[1].code = 0
+    slots.reap()
+    assert list(slots.slots) == [first.index] and len(os_.handles) == 2
+
+
+def test_renew_replaces_idle_children_now_and_busy_ones_after_their_task():
+    clock = FakeClock()
+    slots, os_, _, _, _ = make_slots(clock, size=2)
+    idle, busy = slots.idle()
+    slots.start(busy, delivery(), JOB, None, None)
+    slots.renew()
+    assert idle.state is ChildState.STOPPING and busy.busy
+    os_.handles[0].code = 0
+    slots.reap()
+    assert len(os_.handles) == 3              # the idle one replaced at once
+    os_.handles[1].inbox.append(Done(1, Outcome.SUCCEEDED.value))
+    slots.on_readable(busy)
+    assert busy.state is ChildState.STOPPING
+    os_.handles[1].code = 0
+    slots.reap()
+    assert len(os_.handles) == 4 and slots.size == 2

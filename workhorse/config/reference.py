@@ -63,7 +63,8 @@ def render() -> str:
                 f"- accepted: {s.type.describe()}\n"
                 f"- default: `{default}`\n"
                 f"- env: `{s.env}`\n"
-                f"- flag: {flags}\n")
+                f"- flag: {flags}\n"
+                f"- on reload (SIGHUP): {'applied' if s.reload else 'needs a restart'}\n")
     return "".join(parts)
 
 

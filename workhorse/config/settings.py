@@ -29,6 +29,8 @@ class Setting:
     help: str
     default_doc: str | None = None
     cli: tuple[str, ...] = ()
+    #: Applied by a reload (SIGHUP); False: read at start only, a change needs a restart.
+    reload: bool = True
 
     @property
     def env(self) -> str:
@@ -87,9 +89,10 @@ SETTINGS: tuple[Setting, ...] = (
     # [worker]
     Setting("app", "worker", t.text(_check_app, "a module or module:attribute").or_none(), None,
             "The task module to import: `module` or `module:attribute` naming a workhorse App.",
-            cli=("-A",)),
+            cli=("-A",), reload=False),
     Setting("queues", "worker", t.string_list(), ("celery",),
-            "Queues to consume. Tasks sent without a queue go to the first one.", cli=("-Q",)),
+            "Queues to consume. Tasks sent without a queue go to the first one.", cli=("-Q",),
+            reload=False),
     Setting("concurrency", "worker", t.integer(1, 1024), lambda _: os.cpu_count() or 1,
             "Number of child processes, each running one task at a time.",
             default_doc="number of CPUs", cli=("-c",)),
@@ -110,30 +113,31 @@ SETTINGS: tuple[Setting, ...] = (
             "INFO", "Log level of the supervisor and its children.", cli=("-l",)),
     Setting("hostname", "worker", t.text(), lambda _: "workhorse@" + socket.gethostname(),
             "This worker's name in logs and in results.", default_doc="workhorse@<host name>",
-            cli=("-n",)),
+            cli=("-n",), reload=False),
     Setting("state_dir", "worker", t.path(), _default_state_dir,
             "Where the embedded broker and result store live by default.",
             default_doc="$STATE_DIRECTORY (set by systemd), else $XDG_STATE_HOME/workhorse, "
-                        "else ~/.local/state/workhorse"),
+                        "else ~/.local/state/workhorse", reload=False),
     # [broker]
     Setting("broker_url", "broker", t.text(_check_url(BROKER_SCHEMES), "a broker URL"),
             lambda r: f"sqlite:///{r['state_dir'] / 'broker.sqlite3'}",
             "The message broker: sqlite:///<path> (embedded), redis://, amqp://.",
-            default_doc="sqlite:///<state_dir>/broker.sqlite3", cli=("-b",)),
+            default_doc="sqlite:///<state_dir>/broker.sqlite3", cli=("-b",), reload=False),
     Setting("visibility_timeout", "broker", t.seconds(positive=True), 30.0,
             "How long a message taken but not acknowledged stays leased (SQLite, Redis) before "
             "the broker hands it out again. A live worker renews the leases of everything it "
             "holds every visibility_timeout/4 s, so this bounds only how long a dead worker's "
-            "messages wait. Workers sharing a broker should use the same value."),
+            "messages wait. Workers sharing a broker should use the same value.", reload=False),
     Setting("rabbitmq_consumer_timeout", "broker", t.seconds(positive=True), 1800.0,
             "RabbitMQ's consumer_timeout (its default: 30 minutes). A scheduled (ETA) message "
             "held for half of it is handed back to its queue as a fresh copy, so RabbitMQ "
-            "never closes the channel over it. Running tasks must finish within it."),
+            "never closes the channel over it. Running tasks must finish within it.", reload=False),
     # [results]
     Setting("result_backend", "results", t.text(_check_backend, "a result store URL"),
             lambda r: f"sqlite:///{r['state_dir'] / 'results.sqlite3'}",
             "Where results are stored: sqlite:///<path>, redis://, rediss://, disabled, or a "
-            "Backend class path.", default_doc="sqlite:///<state_dir>/results.sqlite3"),
+            "Backend class path.", default_doc="sqlite:///<state_dir>/results.sqlite3",
+            reload=False),
     Setting("result_expires", "results", t.seconds(positive=False).or_none(), 86400.0,
             "Seconds a stored result is kept (0 or none: forever)."),
     Setting("result_extended", "results", t.boolean(), False,

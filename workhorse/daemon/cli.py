@@ -20,7 +20,7 @@ from ..config import (
     render_settings,
 )
 from ..exceptions import AppImportError
-from .appload import load_app
+from .appload import AppModules
 from .exitcodes import ExitCode
 
 LOG_FORMAT = "[%(asctime)s %(levelname)s %(processName)s %(process)d] %(message)s"
@@ -67,17 +67,20 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     add_setting_arguments(parser)
 
 
-def resolve(args: argparse.Namespace) -> tuple[Settings, App | None]:
+def resolve(args: argparse.Namespace,
+            modules: AppModules | None = None) -> tuple[Settings, App | None]:
     """Settings from every source, and the App they name (imported) if any.
 
     Two passes: the first finds ``app`` (it may come from the file or env); the app's own
-    ``App(...)`` keywords then take their place between defaults and files.
+    ``App(...)`` keywords then take their place between defaults and files. ``modules``
+    remembers what the task module imported; given it again (a reload), the task module
+    is imported from disk anew.
     """
     cli = cli_values(args)
     settings = load_settings(config_file=args.config, cli=cli)
-    if not settings.app:
+    if not settings.app and (modules is None or modules.spec is None):
         return settings, None
-    app = load_app(settings.app)
+    app = (modules or AppModules()).load(settings.app or "")
     settings = load_settings(config_file=args.config or app.config_file,
                              code=app.code_settings, cli=cli)
     app.configure(settings)
@@ -87,8 +90,9 @@ def resolve(args: argparse.Namespace) -> tuple[Settings, App | None]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    modules = AppModules()
     try:
-        settings, app = resolve(args)
+        settings, app = resolve(args, modules)
     except ConfigError as exc:
         print(f"workhorse: configuration error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
@@ -101,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _config(args, settings)
     if args.command == "dead":
         return _dead(args, settings, app)
-    return _worker(settings, app)
+    return _worker(args, settings, app, modules)
 
 
 def _config(args: argparse.Namespace, settings: Settings) -> int:
@@ -110,14 +114,20 @@ def _config(args: argparse.Namespace, settings: Settings) -> int:
     return ExitCode.OK
 
 
-def _worker(settings: Settings, app: App | None) -> int:
+def _worker(args: argparse.Namespace, settings: Settings, app: App | None,
+            modules: AppModules) -> int:
     if app is None:
         print("workhorse: no task module to run: give -A module[:attribute] or set app in "
               "the [worker] section", file=sys.stderr)
         return ExitCode.CONFIG
     logging.basicConfig(level=settings.loglevel, format=LOG_FORMAT, stream=sys.stderr)
     from .supervisor import Supervisor
-    return Supervisor(app, settings).run()
+
+    def reload() -> tuple[Settings, App]:
+        new_settings, new_app = resolve(args, modules)
+        assert new_app is not None      # a reload imports the app it started with
+        return new_settings, new_app
+    return Supervisor(app, settings, reload=reload).run()
 
 
 def _dead(args: argparse.Namespace, settings: Settings, app: App | None) -> int:

@@ -65,6 +65,10 @@ class Slot:
         self.child: Child | None = None
         self.crashes = 0                        # consecutive, reset by a finished job
         self.respawn_timer: Timer | None = None
+        #: The pool generation its child was forked in: a reload starts a new one.
+        self.generation = 0
+        #: The pool is shrinking by this slot: its child is not replaced when it exits.
+        self.retiring = False
 
     def cancel_respawn(self) -> None:
         if self.respawn_timer is not None:
@@ -83,12 +87,21 @@ class Slots:
         self.recycling = recycling
         #: Is the worker taking work? If not, children are not replaced and idle ones stop.
         self.accepting = accepting
-        self.slots = [Slot(index) for index in range(size)]
+        self.slots: dict[int, Slot] = {index: Slot(index) for index in range(size)}
+        #: Bumped by a reload: children forked before it are replaced by fresh ones.
+        self.generation = 0
+        #: Slots still to retire when the next busy children finish (pool shrinking).
+        self.to_retire = 0
 
     # ------------------------------------------------------------------ views
+    @property
+    def size(self) -> int:
+        """The pool's size once the slots being retired are gone."""
+        return sum(1 for slot in self.slots.values() if not slot.retiring) - self.to_retire
+
     def children(self) -> Iterator[Child]:
         """The live children (not yet reaped)."""
-        for slot in self.slots:
+        for slot in list(self.slots.values()):
             child = slot.child
             if child is not None and child.state is not ChildState.EXITED:
                 yield child
@@ -107,11 +120,12 @@ class Slots:
 
     # ------------------------------------------------------------------ life cycle
     def spawn_all(self) -> None:
-        for slot in self.slots:
+        for slot in list(self.slots.values()):
             self.spawn(slot)
 
     def spawn(self, slot: Slot) -> None:
         slot.respawn_timer = None
+        slot.generation = self.generation
         handle = self.os.spawn(slot.index + 1, self.make_runtime)
         child = Child(slot.index, handle, self.os.monotonic())
         slot.child = child
@@ -168,8 +182,12 @@ class Slots:
             self._replace(child, crashed=not expected and not killed)
 
     def _replace(self, child: Child, crashed: bool) -> None:
-        slot = self.slots[child.index]
-        if slot.child is not child:
+        slot = self.slots.get(child.index)
+        if slot is None or slot.child is not child:
+            return
+        if slot.retiring:
+            del self.slots[slot.index]
+            log.info("pool shrunk to %d children", self.size)
             return
         if not crashed:
             self.spawn(slot)
@@ -189,12 +207,60 @@ class Slots:
         if self.accepting():
             self.spawn(slot)
 
+    # ------------------------------------------------------------------ reload, resize
+    def renew(self) -> None:
+        """After a reload: replace every child by one forked now, with the code and
+        settings loaded now. Idle ones go at once, busy ones when their task is done."""
+        self.generation += 1
+        for child in list(self.idle()):
+            self.maybe_recycle(child)
+        for child in list(self.children()):
+            if child.state is ChildState.SPAWNING:
+                child.stop()
+
+    def resize(self, size: int) -> None:
+        """Grow or shrink the pool to ``size`` children. Shrinking retires idle children
+        now, else the next ones to finish their task; running tasks are never cut short."""
+        while self.size < size:
+            if self.to_retire:
+                self.to_retire -= 1
+                continue
+            index = next(i for i in range(len(self.slots) + 1) if i not in self.slots)
+            self.slots[index] = Slot(index)
+            self.spawn(self.slots[index])
+        excess = self.size - size
+        for slot in sorted(self.slots.values(), key=lambda s: _retire_order(s), reverse=True):
+            if excess <= 0:
+                break
+            if slot.retiring or (slot.child is not None and slot.child.busy):
+                continue
+            self._retire(slot)
+            excess -= 1
+        self.to_retire += max(0, excess)
+
+    def _retire(self, slot: Slot) -> None:
+        slot.retiring = True
+        slot.cancel_respawn()
+        child = slot.child
+        if child is None or child.state is ChildState.EXITED:
+            del self.slots[slot.index]
+            log.info("pool shrunk to %d children", self.size)
+        elif child.state in (ChildState.IDLE, ChildState.SPAWNING):
+            child.stop()
+
     def maybe_recycle(self, child: Child) -> None:
-        """After a task, or while idle: replace a child past its limits; stop it if the
-        worker is stopping."""
+        """After a task, or while idle: replace a child past its limits or forked before a
+        reload, retire it if the pool is shrinking, stop it if the worker is stopping."""
+        slot = self.slots[child.index]
+        if self.to_retire and not slot.retiring:
+            self.to_retire -= 1
+            self._retire(slot)
+            return
         r = self.recycling
         reason = None
-        if r.max_tasks and child.tasks_done >= r.max_tasks:
+        if slot.generation != self.generation:
+            reason = "reloaded"
+        elif r.max_tasks and child.tasks_done >= r.max_tasks:
             reason = f"ran {child.tasks_done} tasks (max_tasks_per_child={r.max_tasks})"
         elif r.max_memory and child.rss > r.max_memory:
             reason = (f"uses {child.rss // 1024} KiB "
@@ -256,7 +322,7 @@ class Slots:
     # ------------------------------------------------------------------ stopping
     def stop_idle(self) -> None:
         """Warm shutdown: no replacements; idle (and starting) children exit now."""
-        for slot in self.slots:
+        for slot in self.slots.values():
             slot.cancel_respawn()
         for child in list(self.children()):
             if child.state in (ChildState.IDLE, ChildState.SPAWNING):
@@ -277,3 +343,9 @@ class Slots:
         for child in self.children():
             job: Any = child.job
             yield f"{child!r} tasks_done={child.tasks_done} job={job.label if job else '-'}"
+
+
+def _retire_order(slot: Slot) -> tuple[bool, int]:
+    """Retire slots with no live child first, then the highest numbered."""
+    alive = slot.child is not None and slot.child.state is not ChildState.EXITED
+    return (not alive, slot.index)

@@ -25,6 +25,7 @@ from kombu.message import Message
 
 from ..app import result_retry_policy
 from ..backends import RetryPolicy
+from ..config import SETTINGS, Settings
 from ..outcome import Outcome
 from ..pool.ipc import Done
 from ..pool.runtime import ChildRuntime
@@ -44,12 +45,18 @@ from .system import System
 
 if TYPE_CHECKING:
     from ..app import App
-    from ..config import Settings
 
 log = logging.getLogger("workhorse.supervisor")
 
+#: Every signal an operator sends whose default action would kill or stop the daemon, and
+#: SIGCHLD. Not ABRT (systemd's watchdog uses it to kill a hung service), SEGV or BUS.
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD,
-                   signal.SIGUSR1)
+                   signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTTIN,
+                   signal.SIGTTOU, signal.SIGTSTP)
+#: TTIN / TTOU keep the pool within these bounds (those of the concurrency setting).
+POOL_MIN, POOL_MAX = 1, 1024
+
+Reload = Callable[[], "tuple[Settings, App]"]
 #: How often the worker deletes expired results from stores that do not expire them.
 RESULT_PURGE_INTERVAL = 300.0
 #: How often idle children's memory is compared with max_memory_per_child.
@@ -65,8 +72,11 @@ class Phase(str, enum.Enum):
 
 
 class Supervisor:
-    def __init__(self, app: App, settings: Settings, system: System | None = None) -> None:
+    def __init__(self, app: App, settings: Settings, system: System | None = None,
+                 reload: Reload | None = None) -> None:
         self.app = app
+        #: Reads the config files and imports the task modules again (SIGHUP).
+        self.reload = reload
         self.settings = settings
         self.hostname: str = settings.hostname
         self.system = system or System()
@@ -331,6 +341,70 @@ class Supervisor:
         for line in self.slots.describe():
             log.warning("  %s", line)
 
+    def handle_usr2(self) -> None:
+        log.info("SIGUSR2 received: workhorse gives it no meaning; ignored")
+
+    def handle_tstp(self) -> None:
+        log.info("SIGTSTP received: a supervisor does not stop with its terminal; ignored "
+                 "(SIGTERM stops it)")
+
+    def handle_ttin(self) -> None:
+        self._resize(self.slots.size + 1, "SIGTTIN")
+
+    def handle_ttou(self) -> None:
+        self._resize(self.slots.size - 1, "SIGTTOU")
+
+    def _resize(self, size: int, why: str) -> None:
+        if self.phase is not Phase.RUNNING:
+            return
+        bounded = max(POOL_MIN, min(POOL_MAX, size))
+        if bounded != size:
+            log.warning("%s: the pool stays at %d children (between %d and %d)", why,
+                        self.slots.size, POOL_MIN, POOL_MAX)
+            return
+        self.slots.resize(size)
+        self.holding.window = size * self.settings.prefetch_multiplier
+        log.info("%s: pool resized to %d children, prefetch window %d", why, size,
+                 self.holding.window)
+        self._changed()
+
+    def handle_hup(self) -> None:
+        """Reload: the config files and the task modules as they are on disk now; every
+        child is replaced by one forked after it (idle ones now, busy ones when done).
+        Nothing held is given back, re-run or waited on."""
+        if self.phase is not Phase.RUNNING:
+            return
+        if self.reload is None:
+            log.warning("SIGHUP received, but this supervisor has nothing to reload from")
+            return
+        systemd.notify(f"RELOADING=1\nMONOTONIC_USEC={int(self.system.monotonic() * 1e6)}\n"
+                       "STATUS=reloading (SIGHUP)")
+        log.info("SIGHUP: reloading the configuration and the task modules")
+        try:
+            settings, app = self.reload()
+        except Exception as exc:  # noqa: BLE001 - a bad config or module: keep running as is
+            log.error("reload failed, still running the configuration and code loaded before: "
+                      "%s", exc)
+            systemd.notify(f"READY=1\nSTATUS=reload failed ({exc}); consuming "
+                           f"{', '.join(self.settings.queues)}")
+            return
+        self._apply(keep_restart_only(self.settings, settings), app)
+        systemd.notify(f"READY=1\nSTATUS=consuming {', '.join(self.settings.queues)}")
+
+    def _apply(self, settings: Settings, app: App) -> None:
+        app.backend.retry_policy = RetryPolicy(always_retry=False)
+        self.app, self.settings = app, settings
+        self.intake.app = self.settlement.app = self.leases.app = app
+        self.intake.settings = self.dispatch.settings = settings
+        self.settlement.retry = result_retry_policy(settings)
+        self.slots.recycling = Recycling(settings.max_tasks_per_child,
+                                         settings.max_memory_per_child)
+        logging.getLogger().setLevel(settings.loglevel)
+        self.slots.renew()
+        self._resize(settings.concurrency, "reload")
+        log.info("reloaded: %d children, tasks %s", settings.concurrency,
+                 ", ".join(sorted(app.tasks)) or "(none registered)")
+
     # ------------------------------------------------------------------ shutdown
     def warm_shutdown(self, why: str) -> None:
         if self.phase is not Phase.RUNNING:
@@ -369,6 +443,20 @@ class Supervisor:
                 return      # still retrying their results, until graceful_timeout
             self.settlement.give_up_storing()
             self.phase = Phase.STOPPED
+
+
+def keep_restart_only(running: Settings, loaded: Settings) -> Settings:
+    """The settings a reload applies: ``loaded``, but those that need a restart keep their
+    running values (each change is logged)."""
+    values = loaded.as_dict()
+    for setting in SETTINGS:
+        name = setting.name
+        if not setting.reload and values[name] != running[name]:
+            log.warning("reload: %s changed to %r, which needs a restart; still %r", name,
+                        values[name], running[name])
+            values[name] = running[name]
+    return Settings(values, {s.name: loaded.source(s.name) for s in SETTINGS},
+                    loaded.config_files)
 
 
 def _ping_watchdog() -> None:
