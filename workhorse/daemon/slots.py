@@ -340,9 +340,13 @@ class Slots:
 
     def describe(self) -> Iterator[str]:
         """One line per child, for the USR1 state dump."""
+        now = self.os.monotonic()
         for child in self.children():
             job: Any = child.job
-            yield f"{child!r} tasks_done={child.tasks_done} job={job.label if job else '-'}"
+            running = (f"{job.label} for {now - child.job_started_at:.1f} s" if job
+                       else "-")
+            yield (f"{child!r} up {now - child.spawned_at:.0f} s, tasks_done="
+                   f"{child.tasks_done}, job={running}")
 
 
 def _retire_order(slot: Slot) -> tuple[bool, int]:

@@ -33,6 +33,7 @@ from . import systemd
 from .consumer import POLL_INTERVAL, BrokerConsumer
 from .delivery import Delivery
 from .dispatch import Dispatch
+from .exitcodes import ExitCode
 from .holding import Holding
 from .intake import Intake
 from .leases import Leases
@@ -81,7 +82,7 @@ class Supervisor:
         self.hostname: str = settings.hostname
         self.system = system or System()
         self.phase = Phase.STARTING
-        self.exit_code = 0
+        self.exit_code: int = ExitCode.OK
         self._interrupts = 0
         self._want_poll = False
         self._broker_fds: set[int] = set()
@@ -150,7 +151,7 @@ class Supervisor:
             log.critical("supervisor failed; killing children, unsettled messages go back "
                          "to the broker", exc_info=True)
             self.slots.kill_now()
-            self.exit_code = 1
+            self.exit_code = ExitCode.FAILURE
         finally:
             self.consumer.close()
             self.signals.restore()
