@@ -2,6 +2,7 @@
 handles, a broker connection and a result store that record what is asked of them."""
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,7 +40,8 @@ class FakeHandle:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self.read_fd = -pid            # never a real fd: the loop ignores unknown ones
+        # A real pipe nobody writes to, so a real Loop can watch it; frames come from inbox.
+        self.read_fd, self._write_fd = os.pipe()
         self.sent: list[object] = []
         self.inbox: list[object] = [Hello(pid)]
         self.at_eof = False
@@ -62,6 +64,9 @@ class FakeHandle:
         return self.code
 
     def close(self) -> None:
+        if not self.closed:
+            os.close(self.read_fd)
+            os.close(self._write_fd)
         self.closed = True
 
 
@@ -201,3 +206,37 @@ def delivery(seq: int = 1, policy: Policy | None = None, task: str = "t.add",
     m = message(task, **headers)
     return Delivery(seq, "q", m, parse_request(m.headers), SimpleNamespace(name=task),
                     policy or Policy())
+
+
+class FakeConsumer(FakeBroker):
+    """The supervisor's broker connection: records credit and cancels; never connected."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.credits: list[int] = []
+        self.cancelled = False
+        self.push = False
+        self.polled = False
+        self.connected = True
+        self.generation = 1
+
+    def set_credit(self, count: int) -> None:
+        self.credits.append(count)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def poll(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.connected = False
+
+
+def fake_settings(**overrides: Any) -> Any:
+    """Settings as the supervisor reads them: every declared default, then ``overrides``."""
+    from workhorse.config import SETTINGS, Settings
+    values = {s.name: s.default for s in SETTINGS if not s.derived}
+    values.update({"hostname": "w@test", "concurrency": 2, "state_dir": "/nonexistent",
+                   "broker_url": "memory://", "result_backend": "disabled", **overrides})
+    return Settings(values, dict.fromkeys(values, "test"), ())

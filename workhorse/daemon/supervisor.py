@@ -74,7 +74,7 @@ class Phase(str, enum.Enum):
 
 class Supervisor:
     def __init__(self, app: App, settings: Settings, system: System | None = None,
-                 reload: Reload | None = None) -> None:
+                 reload: Reload | None = None, consumer: BrokerConsumer | None = None) -> None:
         self.app = app
         #: Reads the config files and imports the task modules again (SIGHUP).
         self.reload = reload
@@ -88,8 +88,8 @@ class Supervisor:
         self._broker_fds: set[int] = set()
         self.loop = Loop(self.system.monotonic)
         self.signals = SignalPipe(HANDLED_SIGNALS)
-        self.consumer = BrokerConsumer(app, list(settings.queues), self.receive,
-                                       self.on_broker_lost)
+        self.consumer = consumer or BrokerConsumer(app, list(settings.queues), self.receive,
+                                                   self.on_broker_lost)
         self.holding = Holding(settings.concurrency * settings.prefetch_multiplier)
         self.settlement = Settlement(app, self.consumer, self.loop, self.holding, self.hostname,
                                      result_retry_policy(settings), self._changed)

@@ -1,0 +1,119 @@
+"""Tier 1: the supervisor's phases, signal handlers and shutdown order, against a fake OS
+and a fake broker connection (no fork, no broker, no real signal)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.fakes import FakeClock, FakeConsumer, FakeOS, fake_app, fake_settings, message
+from workhorse.daemon.supervisor import Phase, Supervisor
+from workhorse.outcome import Outcome
+from workhorse.pool.ipc import Done, Job, Stop
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def running_supervisor(**settings):
+    clock = FakeClock()
+    os_ = FakeOS(clock)
+    consumer = FakeConsumer()
+    supervisor = Supervisor(fake_app("t.add"), fake_settings(**settings), system=os_,
+                            consumer=consumer)
+    supervisor.slots.spawn_all()
+    for child in list(supervisor.slots.children()):
+        supervisor.slots.on_readable(child)          # Hello
+    supervisor.phase = Phase.RUNNING
+    return supervisor, clock, os_, consumer
+
+
+def receive(supervisor, *messages):
+    for m in messages:
+        supervisor.receive("q", m)
+    supervisor._after_events()
+
+
+def finish(supervisor, os_, index: int, seq: int) -> None:
+    """Child ``index`` reports its job ``seq`` done, then (if told to stop) exits."""
+    handle = os_.handles[index]
+    handle.inbox.append(Done(seq, Outcome.SUCCEEDED.value))
+    child = next(c for c in supervisor.slots.children() if c.pid == handle.pid)
+    supervisor.slots.on_readable(child)
+    supervisor._after_events()
+
+
+def test_warm_shutdown_requeues_waiting_messages_in_order_and_lets_running_tasks_finish():
+    supervisor, clock, os_, consumer = running_supervisor(concurrency=1)
+    running, buffered = message(), message()
+    later = message(eta=clock.now().replace(hour=5).isoformat())
+    receive(supervisor, running, buffered, later)
+    assert [type(f) for f in os_.handles[0].sent] == [Job]
+    supervisor.handle_term()
+    assert supervisor.phase is Phase.WARM and consumer.cancelled
+    assert consumer.calls == [("requeue", buffered.headers["id"]),
+                              ("requeue", later.headers["id"])]
+    finish(supervisor, os_, 0, 1)
+    assert consumer.calls[-1] == ("ack", running.headers["id"])
+    os_.handles[0].code = 0
+    supervisor.handle_chld()
+    supervisor._after_events()
+    assert supervisor.phase is Phase.STOPPED and len(os_.handles) == 1
+
+
+def test_graceful_timeout_turns_a_warm_shutdown_cold_and_requeues_uncounted():
+    supervisor, clock, os_, consumer = running_supervisor(concurrency=1, graceful_timeout=5.0)
+    task = message()
+    receive(supervisor, task)
+    supervisor.handle_term()
+    clock.advance(supervisor.loop, 5.1)
+    assert supervisor.phase is Phase.COLD and os_.handles[0].killed == 1
+    supervisor.handle_chld()
+    supervisor._after_events()
+    assert consumer.calls == [("requeue", task.headers["id"])]
+    assert supervisor.phase is Phase.STOPPED
+
+
+def test_a_second_sigint_is_a_cold_shutdown():
+    supervisor, _, os_, _ = running_supervisor()
+    supervisor.handle_int()
+    assert supervisor.phase is Phase.WARM
+    supervisor.handle_int()
+    assert supervisor.phase is Phase.COLD and all(h.killed for h in os_.handles)
+    supervisor.handle_chld()
+    supervisor._after_events()
+    assert supervisor.phase is Phase.STOPPED and len(os_.handles) == 2   # none replaced
+
+
+def test_ttin_and_ttou_resize_the_pool_and_the_window_follows():
+    supervisor, _, os_, consumer = running_supervisor(concurrency=2, prefetch_multiplier=3)
+    supervisor.handle_ttin()
+    assert (supervisor.slots.size, supervisor.holding.window) == (3, 9)
+    assert consumer.credits[-1] == 9 and len(os_.handles) == 3
+    supervisor.handle_ttou()
+    supervisor.handle_ttou()
+    assert (supervisor.slots.size, supervisor.holding.window) == (1, 3)
+    supervisor.handle_ttou()                           # never below one child
+    assert supervisor.slots.size == 1
+
+
+def test_sighup_applies_the_reloaded_settings_but_keeps_those_that_need_a_restart():
+    supervisor, _, os_, _ = running_supervisor(concurrency=1)
+    new_app = fake_app("t.add", "t.new")
+    new_settings = fake_settings(concurrency=2, max_deliveries=7, broker_url="memory://other")
+    supervisor.reload = lambda: (new_settings, new_app)
+    supervisor.handle_hup()
+    assert supervisor.app is new_app and supervisor.intake.app is new_app
+    assert supervisor.settings.max_deliveries == 7
+    assert supervisor.settings.broker_url == "memory://"
+    assert supervisor.slots.size == 2
+    assert isinstance(os_.handles[0].sent[-1], Stop)      # forked before the reload: replaced
+
+
+def test_a_failing_reload_keeps_everything_as_it_was():
+    supervisor, _, os_, _ = running_supervisor(concurrency=1)
+    app, settings = supervisor.app, supervisor.settings
+
+    def broken():
+        raise ValueError("config: bad")
+    supervisor.reload = broken
+    supervisor.handle_hup()
+    assert (supervisor.app, supervisor.settings) == (app, settings)
+    assert os_.handles[0].sent == [] and supervisor.phase is Phase.RUNNING
