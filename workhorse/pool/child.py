@@ -111,8 +111,11 @@ class Child:
     def stop(self) -> None:
         """Ask an idle (or still starting) child to exit."""
         self._expect(ChildState.IDLE, ChildState.SPAWNING)
-        self.handle.send(Stop())
         self.state = ChildState.STOPPING
+        try:
+            self.handle.send(Stop())
+        except BrokenPipeError:
+            pass    # it has exited already, not yet reaped: SIGCHLD tells the supervisor
 
     def kill(self, reason: Any, detail: str | None = None) -> None:
         """SIGKILL the child and everything it started; its job is settled on exit. The
