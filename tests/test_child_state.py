@@ -115,3 +115,14 @@ def test_an_exited_child_takes_no_transition():
 ])
 def test_exit_descriptions_name_the_signal_and_a_hint(code, text):
     assert describe_exit(code).startswith(text)
+
+
+def test_stopping_a_child_that_has_exited_unreaped_is_not_an_error():
+    child, handle = make()
+
+    def gone(frame: object) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+    handle.send = gone    # type: ignore[method-assign]
+    child.stop()
+    assert child.state is ChildState.STOPPING
+    assert child.on_exit(1) is None

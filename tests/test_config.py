@@ -44,6 +44,7 @@ SAMPLES = {
     "max_tasks_per_child": ("100", 100),
     "max_memory_per_child": ("200MiB", 200 * 1024 * 1024),
     "graceful_timeout": ("5.5", 5.5),
+    "max_boot_failures": ("3", 3),
     "max_scheduled": ("50", 50),
     "rabbitmq_consumer_timeout": ("600", 600.0),
     "loglevel": ("debug", "DEBUG"),

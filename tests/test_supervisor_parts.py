@@ -277,6 +277,7 @@ class Events:
     def __init__(self) -> None:
         self.done: list[tuple[str, str]] = []
         self.lost: list[tuple[str, Outcome, str]] = []
+        self.cannot_boot: list[str] = []
 
     def job_done(self, d, done: Done) -> None:
         self.done.append((d.request.id, done.outcome))
@@ -284,14 +285,18 @@ class Events:
     def job_lost(self, d, outcome: Outcome, detail: str) -> None:
         self.lost.append((d.request.id, outcome, detail))
 
+    def children_cannot_boot(self, reason: str) -> None:
+        self.cannot_boot.append(reason)
 
-def make_slots(clock: FakeClock, size: int = 1, recycling: Recycling | None = None):
+
+def make_slots(clock: FakeClock, size: int = 1, recycling: Recycling | None = None,
+               max_boot_failures: int = 5):
     os_ = FakeOS(clock)
     loop = FakeLoop(clock)
     events = Events()
     accepting = [True]
     slots = Slots(size, os_, loop, lambda *a: None, events, recycling or Recycling(),
-                  lambda: accepting[0])
+                  lambda: accepting[0], max_boot_failures=max_boot_failures)
     slots.spawn_all()
     for slot in slots.slots.values():
         assert slot.child is not None
@@ -435,3 +440,62 @@ def test_renew_replaces_idle_children_now_and_busy_ones_after_their_task():
     os_.handles[1].code = 0
     slots.reap()
     assert len(os_.handles) == 4 and slots.size == 2
+
+
+def dies_in_setup(handle, code: int = 1) -> None:
+    """The child exits before it says Hello."""
+    handle.inbox.clear()
+    handle.code = code
+
+
+def test_children_dying_before_they_are_ready_stop_the_pool_at_max_boot_failures():
+    clock = FakeClock()
+    slots, os_, loop, events, _ = make_slots(clock, max_boot_failures=3)
+    os_.handles[-1].code = 1                    # was ready, then crashed: not a boot failure
+    slots.reap()
+    for _ in range(2):
+        dies_in_setup(os_.handles[-1])
+        slots.reap()
+        clock.advance(loop, CRASH_BACKOFF_MAX)  # replaced with the crash back-off
+    assert events.cannot_boot == [] and len(os_.handles) == 4
+    dies_in_setup(os_.handles[-1], code=-signal.SIGSEGV)
+    slots.reap()
+    (reason,) = events.cannot_boot
+    assert reason.startswith("children die before they are ready (3 in a row; last: killed "
+                             "by SIGSEGV")
+    assert reason.endswith("; see the log above for their error")
+    clock.advance(loop, CRASH_BACKOFF_MAX)
+    assert len(os_.handles) == 4 and slots.all_exited()    # no more replacements
+
+
+def test_a_child_that_was_ready_ends_a_run_of_boot_failures():
+    clock = FakeClock()
+    slots, os_, loop, events, _ = make_slots(clock, max_boot_failures=2)
+    os_.handles[-1].code = 1
+    slots.reap()
+    for ready in (False, True, False):
+        handle = os_.handles[-1]
+        if ready:
+            new = slots.slots[0].child
+            assert new is not None
+            slots.on_readable(new)              # Hello, then a crash while idle
+            handle.code = 1
+        else:
+            dies_in_setup(handle)
+        slots.reap()
+        clock.advance(loop, CRASH_BACKOFF_MAX)
+    assert events.cannot_boot == [] and len(os_.handles) == 5
+    assert slots.slots[0].crashes == 4           # the crash back-off counts them all
+
+
+def test_a_child_killed_before_it_is_ready_is_not_a_boot_failure():
+    clock = FakeClock()
+    slots, os_, loop, events, _ = make_slots(clock, max_boot_failures=1)
+    os_.handles[-1].code = 1
+    slots.reap()
+    child = slots.slots[0].child
+    assert child is not None and child.state is ChildState.SPAWNING
+    os_.handles[-1].inbox.clear()
+    child.kill(None, "its pipe failed")
+    slots.reap()
+    assert events.cannot_boot == [] and len(os_.handles) == 3

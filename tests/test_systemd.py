@@ -1,10 +1,13 @@
-"""Type=notify: the supervisor tells systemd it is ready, pings the watchdog, says stopping."""
+"""The systemd unit: Type=notify (ready, watchdog, stopping) and its restart policy."""
 from __future__ import annotations
 
+import configparser
 import signal
 import socket
 
-from .conftest import make_broker, wait_until, worker_env, Worker
+from workhorse.daemon.exitcodes import ExitCode
+
+from .conftest import ROOT, Worker, make_broker, wait_until, worker_env
 
 
 def test_ready_watchdog_and_stopping_are_notified(tmp_path):
@@ -35,3 +38,17 @@ def test_ready_watchdog_and_stopping_are_notified(tmp_path):
     finally:
         worker.kill()
         sock.close()
+
+
+def test_the_unit_restarts_with_a_growing_delay_except_after_config_and_import_errors():
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str    # type: ignore[assignment,method-assign]
+    unit.read(ROOT / "systemd" / "workhorse.service")
+    service = unit["Service"]
+    assert service["Restart"] == "on-failure"
+    prevented = {int(code) for code in service["RestartPreventExitStatus"].split()}
+    assert prevented == {ExitCode.CONFIG, ExitCode.APP_IMPORT}
+    assert ExitCode.CHILD_BOOT not in prevented and ExitCode.FAILURE not in prevented
+    assert int(service["RestartSec"]) < int(service["RestartMaxDelaySec"])
+    assert int(service["RestartSteps"]) > 0
+    assert unit["Unit"]["StartLimitIntervalSec"] == "0"     # never gives up

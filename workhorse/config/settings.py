@@ -104,6 +104,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_memory_per_child", "worker", t.memory_size().or_none(), None,
             "Replace a child whose resident memory exceeds this after a task (none: never). "
             "A bare integer is KiB, as in Celery."),
+    Setting("max_boot_failures", "worker", t.integer(1), 5,
+            "Stop the worker with exit status 4 when this many children of one slot in a row "
+            "die before they are ready (code run in each new child fails); what it holds is "
+            "requeued. A child that dies after it was ready is replaced with back-off instead."),
     Setting("max_scheduled", "worker", t.integer(1), 10000,
             "At most this many scheduled (ETA/countdown) messages wait in the worker; beyond "
             "it, further ones go back to their queue (not counted as deliveries)."),

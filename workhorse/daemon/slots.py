@@ -1,9 +1,10 @@
 """The prefork pool as the supervisor sees it: one ``Slot`` per place in the pool, holding
-its current ``Child``, its crash count and its respawn timer.
+its current ``Child``, its crash and boot failure counts and its respawn timer.
 
 ``Slots`` spawns, reads, reaps, replaces and recycles children, and enforces each running
 job's time limits from loop timers. What becomes of a job is the supervisor's business: it
-is told through ``PoolEvents`` (a job done, a job whose child was lost).
+is told through ``PoolEvents`` (a job done, a job whose child was lost), and so is a slot
+whose children keep dying before they are ready (replacing them cannot help).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class OS(Protocol):
 class PoolEvents(Protocol):
     def job_done(self, delivery: Delivery, done: Done) -> None: ...
     def job_lost(self, delivery: Delivery, outcome: Outcome, detail: str) -> None: ...
+    def children_cannot_boot(self, reason: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class Slot:
         self.index = index
         self.child: Child | None = None
         self.crashes = 0                        # consecutive, reset by a finished job
+        self.boot_failures = 0                  # consecutive children dead before Hello
         self.respawn_timer: Timer | None = None
         #: The pool generation its child was forked in: a reload starts a new one.
         self.generation = 0
@@ -79,7 +82,7 @@ class Slot:
 class Slots:
     def __init__(self, size: int, os: OS, loop: Loop, make_runtime: RuntimeFactory,
                  events: PoolEvents, recycling: Recycling,
-                 accepting: Callable[[], bool]) -> None:
+                 accepting: Callable[[], bool], *, max_boot_failures: int) -> None:
         self.os = os
         self.loop = loop
         self.make_runtime = make_runtime
@@ -87,6 +90,7 @@ class Slots:
         self.recycling = recycling
         #: Is the worker taking work? If not, children are not replaced and idle ones stop.
         self.accepting = accepting
+        self.max_boot_failures = max_boot_failures
         self.slots: dict[int, Slot] = {index: Slot(index) for index in range(size)}
         #: Bumped by a reload: children forked before it are replaced by fresh ones.
         self.generation = 0
@@ -189,6 +193,13 @@ class Slots:
             del self.slots[slot.index]
             log.info("pool shrunk to %d children", self.size)
             return
+        if child.booted:
+            slot.boot_failures = 0
+        elif crashed:
+            slot.boot_failures += 1
+            if slot.boot_failures >= self.max_boot_failures:
+                self._give_up_booting(slot, child)
+                return
         if not crashed:
             self.spawn(slot)
             return
@@ -201,6 +212,14 @@ class Slots:
                     slot.index + 1, slot.crashes, delay)
         systemd.notify(f"STATUS=child slot {slot.index + 1} crashing ({slot.crashes} in a row)")
         slot.respawn_timer = self.loop.call_later(delay, lambda: self._respawn(slot))
+
+    def _give_up_booting(self, slot: Slot, child: Child) -> None:
+        """The slot's children die in their setup, one after another: a new one would too.
+        The slot stays empty and the supervisor is told."""
+        last = describe_exit(child.exitcode) if child.exitcode is not None else "gone"
+        self.events.children_cannot_boot(
+            f"children die before they are ready ({slot.boot_failures} in a row; last: "
+            f"{last}); see the log above for their error")
 
     def _respawn(self, slot: Slot) -> None:
         slot.respawn_timer = None

@@ -98,7 +98,8 @@ class Supervisor:
                              self._accepting)
         self.slots = Slots(settings.concurrency, self.system, self.loop, self._make_runtime,
                            self, Recycling(settings.max_tasks_per_child,
-                                           settings.max_memory_per_child), self._accepting)
+                                           settings.max_memory_per_child), self._accepting,
+                           max_boot_failures=settings.max_boot_failures)
         self.leases = Leases(app, self.consumer, self.holding, settings.visibility_timeout,
                              self._changed)
         self.dispatch = Dispatch(settings, self.holding, self.intake, self.slots,
@@ -295,6 +296,14 @@ class Supervisor:
     def job_lost(self, delivery: Delivery, outcome: Outcome, detail: str) -> None:
         self.leases.release_claim(delivery)
         self.settlement.settle(delivery, outcome, detail)
+
+    def children_cannot_boot(self, reason: str) -> None:
+        """Replacing children that die in their setup would go on for ever: stop as a warm
+        shutdown does (what is held goes back), with the exit status reserved for it."""
+        log.critical("%s; stopping with exit status %d", reason, ExitCode.CHILD_BOOT)
+        systemd.notify(f"STATUS={reason}")
+        self.exit_code = ExitCode.CHILD_BOOT
+        self.warm_shutdown("children die before they are ready")
 
     def _recheck_later(self, delivery: Delivery) -> None:
         """Its child did not run it: an idempotent task's key is held by a run in progress

@@ -70,6 +70,7 @@ class Child:
         self.pid = handle.pid
         self.spawned_at = spawned_at
         self.state = ChildState.SPAWNING
+        self.booted = False                  # said Hello: it got through its setup
         self.job: Any = None                 # the Delivery it runs, while BUSY
         self.job_started_at = 0.0
         self.timers: list[Any] = []          # the running job's limit timers
@@ -89,6 +90,7 @@ class Child:
     def on_hello(self) -> None:
         """The child is set up. One told to stop while starting stays stopping."""
         self._expect(ChildState.SPAWNING, ChildState.STOPPING)
+        self.booted = True
         if self.state is ChildState.SPAWNING:
             self.state = ChildState.IDLE
 
@@ -111,8 +113,11 @@ class Child:
     def stop(self) -> None:
         """Ask an idle (or still starting) child to exit."""
         self._expect(ChildState.IDLE, ChildState.SPAWNING)
-        self.handle.send(Stop())
         self.state = ChildState.STOPPING
+        try:
+            self.handle.send(Stop())
+        except BrokenPipeError:
+            pass    # it has exited already, not yet reaped: SIGCHLD tells the supervisor
 
     def kill(self, reason: Any, detail: str | None = None) -> None:
         """SIGKILL the child and everything it started; its job is settled on exit. The
