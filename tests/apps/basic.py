@@ -9,8 +9,10 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 from workhorse import App, SoftTimeLimitExceeded
+from workhorse.backends.sqlite import SQLiteBackend
 
 app = App("basic")
 
@@ -79,6 +81,41 @@ def soft_catch(self, seconds):
 @app.task
 def unencodable():
     return object()
+
+
+def _nested(depth):
+    value = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@app.task(bind=True)
+def deep_result(self, depth=100_000):
+    """Returns a list nested too deep for any JSON encoder."""
+    _record("deep_result", self.request.id)
+    return _nested(depth)
+
+
+@app.task(bind=True)
+def deep_error(self, depth=100_000):
+    """Raises an exception whose argument is nested too deep for any JSON encoder."""
+    _record("deep_error", self.request.id)
+    raise ValueError(_nested(depth))
+
+
+class CountingBackend(SQLiteBackend):
+    """The tests' SQLite result store (the file conftest.worker_env names), recording each
+    result it stores as a line "stored:<state> <task id> <pid>" in the run log.
+    Use it with ``result_backend="tests.apps.basic:CountingBackend"``."""
+
+    def __init__(self, url, **options):
+        store = Path(os.environ["WH_TEST_RUNLOG"]).with_name("results.sqlite3")
+        super().__init__(f"sqlite:///{store}", **options)
+
+    def _set(self, task_id, state, payload):
+        super()._set(task_id, state, payload)
+        _record(f"stored:{state}", task_id)
 
 
 _hoard: list[bytearray] = []

@@ -25,6 +25,7 @@ from ..exceptions import (
 )
 from ..outcome import Outcome
 from ..backends import Claim
+from ..backends.encoding import describe_exception, safe_repr
 from ..protocol import Request, decode_body, parse_request
 from ..states import FAILURE, SUCCESS
 from ..retrying import retry_countdown, should_autoretry
@@ -59,6 +60,7 @@ class TaskExecution:
     def run(self) -> Finished:
         job = self.job
         request = parse_request(job.headers)   # the supervisor checked these already
+        self.task_id = request.id
         self.label = f"{job.task}[{request.id}]"
         task = self.app.tasks.get(job.task)
         if task is None:   # the supervisor checks the registry first; never trust it blindly
@@ -165,7 +167,7 @@ class TaskExecution:
     def _run(self, task: Task, args: list[Any], kwargs: dict[str, Any]) -> Finished:
         backend = self.app.backend
         if self.job.track_started and self.store:
-            backend.mark_as_started(self.context.id, request=self.info)
+            backend.mark_as_started(self.task_id, request=self.info)
         started = time.monotonic()
         try:
             with self.armed():
@@ -194,27 +196,32 @@ class TaskExecution:
         if self.store:
             self.info["children"] = [child.as_tuple() for child in self.context.children]
             try:
-                self.app.backend.mark_as_done(self.context.id, retval, request=self.info)
+                self.app.backend.mark_as_done(self.task_id, retval, request=self.info)
             except ResultEncodeError as exc:
                 log.error("Task %s returned a value that cannot be stored: %s", self.label, exc)
                 return self._failed(exc, None, runtime)
-        log.info("Task %s succeeded in %.3fs: %.200r", self.label, runtime, retval)
+        log.info("Task %s succeeded in %.3fs: %.200s", self.label, runtime, safe_repr(retval))
         self._apply_callbacks(retval)
         self._chord_part(SUCCESS, retval)
         return Finished(Outcome.SUCCEEDED)
 
     def _failed(self, exc: BaseException, tb: str | None, runtime: float) -> Finished:
-        log.error("Task %s raised %s in %.3fs: %r\n%s", self.label, type(exc).__name__, runtime,
-                  exc, tb or "")
+        described = describe_exception(exc)     # str(exc) may fail: its args are the task's
+        log.error("Task %s raised %s in %.3fs: %s\n%s", self.label, type(exc).__name__, runtime,
+                  described, tb or "")
         if self.store:
             self._store_failure(exc, tb)
         self._call_errbacks(exc, tb)
         self._chord_part(FAILURE, exc)
-        return Finished(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
+        return Finished(Outcome.FAILED, described)
 
     def _retried(self, signal: Retry) -> Finished:
-        log.info("Task %s retry: %s", self.label, signal)
-        return Finished(Outcome.RETRY, str(signal))
+        try:
+            detail = str(signal)
+        except Exception:  # noqa: BLE001 - it shows the task's exception, which may not show
+            detail = describe_exception(signal)
+        log.info("Task %s retry: %s", self.label, detail)
+        return Finished(Outcome.RETRY, detail)
 
     def _rejected(self, reject: Reject) -> Finished:
         if not self.job.acks_late:
@@ -231,11 +238,14 @@ class TaskExecution:
     def _store_failure(self, exc: BaseException, tb: str | None) -> None:
         backend = self.app.backend
         try:
-            backend.mark_as_failure(self.context.id, exc, tb, request=self.info)
-        except ResultEncodeError:
-            # The exception's own args would not encode: store a plain description instead.
-            backend.mark_as_failure(self.context.id, ResultEncodeError(
-                f"{type(exc).__name__}: {exc!r}"[:2000]), tb, request=self.info)
+            backend.mark_as_failure(self.task_id, exc, tb, request=self.info)
+        except ResultEncodeError as error:
+            # Args that do not encode are stored as their reprs; this is for whatever else
+            # fails (an exception class that cannot be named): store a description instead.
+            log.error("Task %s: %s; storing ResultEncodeError instead", self.label, error)
+            backend.mark_as_failure(self.task_id, ResultEncodeError(
+                f"the task raised {describe_exception(exc)}, which cannot be stored"), tb,
+                request=self.info)
 
     # ------------------------------------------------------------------ retries
     def _autoretries(self, exc: Exception) -> bool:
@@ -265,7 +275,7 @@ class TaskExecution:
             try:
                 signature(data, self.app).apply_async(
                     (retval,), parent_id=ctx.id, root_id=ctx.root_id, **extra)
-            except Exception:  # noqa: BLE001 - the task itself succeeded and is stored
+            except Exception:   # the task itself succeeded and is stored
                 log.exception("Task %s: could not send its callback %s", self.label,
                               data.get("task"))
 
@@ -276,5 +286,5 @@ class TaskExecution:
         """A chord header task's final outcome counts toward its chord."""
         ctx = self.context
         if ctx.chord and ctx.group:
-            chord_part_return(self.app, ctx.group, ctx.id, ctx.group_index, state, result,
+            chord_part_return(self.app, ctx.group, self.task_id, ctx.group_index, state, result,
                               ctx.chord, inline_errbacks=True)
