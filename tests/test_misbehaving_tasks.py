@@ -1,13 +1,14 @@
-"""Tasks that do what a worker cannot plan for — return what cannot be encoded — and a
-worker that stays up through each, settling the task once. The real daemon, on every
-broker unless marked."""
+"""Tasks that do what a worker cannot plan for — fork and return twice, return what cannot
+be encoded — and a worker that stays up through each, settling the task once. The real
+daemon, on every broker unless marked."""
 from __future__ import annotations
 
+import psutil
 import pytest
 
 from workhorse.exceptions import ResultEncodeError
 
-from .conftest import runs
+from .conftest import runs, wait_until
 from .test_delivery import dead_letters, failure
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,6 +33,55 @@ def assert_worker_unharmed(worker) -> None:
     log = worker.log()
     assert "InvalidTransition" not in log
     assert "supervisor failed" not in log
+
+
+# ---------------------------------------------------------------- a task that forks
+def test_task_that_forks_and_returns_twice_keeps_the_worker_up(broker, client, start_worker,
+                                                                tmp_path):
+    from tests.apps.basic import add, fork_and_return
+    worker = start_worker(broker, concurrency=1, result_backend=COUNTING)
+    result = fork_and_return.delay()
+    child_pid = result.get(timeout=30)
+    assert starts(tmp_path, "fork_and_return", result.id) == [child_pid]
+    [copy_pid] = starts(tmp_path, "forked_copy", result.id)
+    assert copy_pid != child_pid
+    assert [add.delay(i, i).get(timeout=30) for i in range(3)] == [0, 2, 4]
+    assert result.state == "SUCCESS"
+    assert stores(tmp_path, result.id) == ["SUCCESS"]      # by the child, not by its copy
+    assert_worker_unharmed(worker)
+    assert "ignored a" not in worker.log()                 # the copy wrote no frame at all
+    assert f"forked by task {fork_and_return.name}" in worker.log()
+
+
+@pytest.mark.parametrize("broker", ["sqlite"], indirect=True)
+def test_a_forked_copy_still_running_after_its_task_returned_writes_nothing(
+        broker, client, start_worker, tmp_path):
+    """The copy returns from the task a second after its child did, while the child runs
+    the next tasks: it exits there, so it neither stores a result, nor reports a Done for a
+    job that is over, nor reads the jobs meant for the child (the frame checks in the
+    supervisor would drop what it wrote, but it writes nothing)."""
+    from tests.apps.basic import fork_and_return, pid
+    worker = start_worker(broker, concurrency=1, result_backend=COUNTING)
+    result = fork_and_return.delay(linger=1.0)
+    child_pid = result.get(timeout=30)
+    [copy_pid] = wait_until(lambda: starts(tmp_path, "forked_copy", result.id), 10,
+                            "the forked copy to start")
+
+    def copy_gone() -> bool:
+        try:
+            return psutil.Process(copy_pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+    ran_in: list[int] = []
+    while not copy_gone() and len(ran_in) < 500:
+        ran_in.append(pid.delay().get(timeout=30))
+    assert copy_gone(), "the forked copy did not exit when its task returned"
+    ran_in += [pid.delay().get(timeout=30) for _ in range(3)]
+    assert set(ran_in) == {child_pid}          # the child was never lost nor replaced
+    assert stores(tmp_path, result.id) == ["SUCCESS"]
+    assert result.get(timeout=5) == child_pid
+    assert_worker_unharmed(worker)
+    assert "ignored a" not in worker.log()
 
 
 # ---------------------------------------------------------------- results that cannot be stored

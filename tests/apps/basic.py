@@ -83,6 +83,23 @@ def unencodable():
     return object()
 
 
+@app.task(bind=True)
+def fork_and_return(self, linger=0.0):
+    """Forks, and returns its pid in both processes. Without ``linger`` the original waits
+    for the copy to return first; with it the original returns at once and the copy
+    returns ``linger`` seconds later, while its child may be running the next task."""
+    _record("fork_and_return", self.request.id)
+    copy = os.fork()
+    if copy == 0:
+        _record("forked_copy", self.request.id)
+        if linger:
+            time.sleep(linger)
+        return os.getpid()
+    if not linger:
+        os.waitpid(copy, 0)
+    return os.getpid()
+
+
 def _nested(depth):
     value = []
     for _ in range(depth):

@@ -30,7 +30,7 @@ from ..exceptions import (
 )
 from ..outcome import Action, Decision, Outcome, Policy, Store, decide
 from ..pool.child import Child, ChildState, describe_exit
-from ..pool.ipc import Claimed, Done, Hello, Job
+from ..pool.ipc import Claimed, Corrupt, Done, Hello, Job
 from ..pool.limits import SOFT_LIMIT_SIGNAL, effective_limit
 from ..pool.runtime import ChildRuntime
 from ..pool.spawn import spawn
@@ -522,7 +522,7 @@ class Supervisor:
         return ChildRuntime(self.app, index, read_fd, write_fd, os.getpid(), self.hostname)
 
     def _on_child_readable(self, child: Child) -> None:
-        for frame in child.handle.receive():
+        for frame in child.receive():
             if isinstance(frame, Hello):
                 child.on_hello()
             elif isinstance(frame, Claimed):
@@ -530,6 +530,10 @@ class Supervisor:
                     child.job.claim = (frame.key, frame.owner)
             elif isinstance(frame, Done):
                 self._on_done(child, frame)
+            elif isinstance(frame, Corrupt):
+                log.error("child %d (pid %d) wrote frames that cannot be read (%s); killing "
+                          "it", child.index + 1, child.pid, frame.reason)
+                child.kill(Outcome.CHILD_LOST)
         if child.handle.at_eof:
             # The process is exiting; SIGCHLD tells us when it is gone. Stop watching the
             # pipe, or EOF would keep the selector readable.

@@ -6,6 +6,7 @@ is reported, so with acks_late a message is never acked before its result is saf
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -45,15 +46,16 @@ class Finished:
 
 
 class TaskExecution:
-    """One job in one child. ``armed`` arms the soft time limit around the task body."""
+    """One job in one child. ``around_task`` wraps the task body alone: the child arms its
+    soft time limit there, and stops any process the task forked as it returns."""
 
     def __init__(self, app: App, job: Job, hostname: str,
-                 armed: Callable[[], AbstractContextManager[None]],
+                 around_task: Callable[[], AbstractContextManager[None]],
                  report: Callable[[object], None]) -> None:
         self.app = app
         self.job = job
         self.hostname = hostname
-        self.armed = armed
+        self.around_task = around_task
         self.report = report                  # sends a frame to the supervisor
         self.claim_key: str | None = None     # the idempotency key this run holds
 
@@ -145,7 +147,7 @@ class TaskExecution:
                      self.label, key)
             return Finished(Outcome.CLAIMED_ELSEWHERE, key)
         self.claim_key = key
-        self.report(Claimed(job.seq, key, job.claim_owner))
+        self.report(Claimed(os.getpid(), job.seq, key, job.claim_owner))
         return None
 
     def _end_claim(self, finished: Finished) -> None:
@@ -170,7 +172,7 @@ class TaskExecution:
             backend.mark_as_started(self.task_id, request=self.info)
         started = time.monotonic()
         try:
-            with self.armed():
+            with self.around_task():
                 retval = task.run(task, *args, **kwargs) if task.bind else task.run(*args, **kwargs)
         except Retry as signal:
             return self._retried(signal)
