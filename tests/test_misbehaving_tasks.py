@@ -1,12 +1,12 @@
 """Tasks that do what a worker cannot plan for — fork and return twice, return what cannot
-be encoded — and a worker that stays up through each, settling the task once. The real
-daemon, on every broker unless marked."""
+be encoded, scribble on their child's pipe — and a worker that stays up through each,
+settling the task once. The real daemon, on every broker unless marked."""
 from __future__ import annotations
 
 import psutil
 import pytest
 
-from workhorse.exceptions import ResultEncodeError
+from workhorse.exceptions import ResultEncodeError, WorkerLostError
 
 from .conftest import runs, wait_until
 from .test_delivery import dead_letters, failure
@@ -82,6 +82,20 @@ def test_a_forked_copy_still_running_after_its_task_returned_writes_nothing(
     assert result.get(timeout=5) == child_pid
     assert_worker_unharmed(worker)
     assert "ignored a" not in worker.log()
+
+
+@pytest.mark.parametrize("broker", ["sqlite"], indirect=True)
+def test_a_child_whose_frames_cannot_be_read_is_killed_and_its_task_settled_as_lost(
+        broker, client, start_worker, tmp_path):
+    from tests.apps.basic import add, garble_frames
+    worker = start_worker(broker, concurrency=1, reject_on_worker_lost=False)
+    result = garble_frames.delay()
+    assert isinstance(failure(result), WorkerLostError)
+    dead_letters(broker, 1)
+    assert len(starts(tmp_path, "garble_frames", result.id)) == 1
+    assert add.delay(2, 2).get(timeout=30) == 4
+    assert_worker_unharmed(worker)
+    assert "cannot be read" in worker.log()
 
 
 # ---------------------------------------------------------------- results that cannot be stored

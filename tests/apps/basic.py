@@ -5,8 +5,11 @@ $WORKHORSE_TEST_RUNLOG (one line per start: "<name> <task id> <pid>").
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
+import stat
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -119,6 +122,23 @@ def deep_error(self, depth=100_000):
     """Raises an exception whose argument is nested too deep for any JSON encoder."""
     _record("deep_error", self.request.id)
     raise ValueError(_nested(depth))
+
+
+@app.task(bind=True)
+def garble_frames(self):
+    """Writes what is no frame into its child's pipe to the supervisor (the one pipe the
+    child may write to), then waits to be killed for it."""
+    _record("garble_frames", self.request.id)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            is_pipe = stat.S_ISFIFO(os.fstat(fd).st_mode)
+        except OSError:
+            continue
+        if is_pipe and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY:
+            os.write(fd, struct.pack("!I", 4) + b"junk")
+    time.sleep(60)
+    return "not killed"
 
 
 class CountingBackend(SQLiteBackend):

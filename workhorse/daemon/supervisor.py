@@ -512,7 +512,10 @@ class Supervisor:
     # ------------------------------------------------------------------ children
     def _spawn(self, index: int) -> None:
         self._respawn_timers[index] = None
-        private = _private_fds(self._baseline_fds)
+        # The signal pipe and the selector are older than the baseline: named here, or a
+        # task could write into the supervisor's signal pipe.
+        private = [*_private_fds(self._baseline_fds), *self.signals.fds(),
+                   self.loop.selector.fileno()]
         handle = spawn(index + 1, self._make_runtime, private)
         child = Child(index, handle, time.monotonic())
         self.children[index] = child
