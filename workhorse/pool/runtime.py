@@ -55,13 +55,15 @@ class ChildRuntime:
         self.hostname = hostname
         self.soft_limit = SoftLimit()
         self.current = ""                    # the running task's label, for logs
-        self.pid = 0                         # set in setup(), after fork
-        self.process = psutil.Process()
+        # Set in setup(), after fork: made here they would name the supervisor.
+        self.pid = 0
+        self.process: psutil.Process | None = None
 
     # -- setup
     def setup(self, close_fds: list[int]) -> None:
         """Fork hygiene: own group, die with the supervisor, own signals, no supervisor fds."""
         self.pid = os.getpid()
+        self.process = psutil.Process(self.pid)
         os.register_at_fork(after_in_child=self._unplug_forked_copy)
         os.setpgid(0, 0)
         set_pdeathsig(signal.SIGKILL)
@@ -163,8 +165,9 @@ class ChildRuntime:
         return Done(os.getpid(), job.seq, finished.outcome.value, detail, self.rss())
 
     def rss(self) -> int:
+        """This child's resident set size in bytes (0 if it cannot be read)."""
         try:
-            return self.process.memory_info().rss
+            return self.process.memory_info().rss if self.process else 0
         except psutil.Error:
             return 0
 
