@@ -1,12 +1,13 @@
 """The supervisor's Child state machine, against a fake process handle (no fork)."""
 from __future__ import annotations
 
+import logging
 import signal
 
 import pytest
 
 from workhorse.pool.child import Child, ChildState, InvalidTransition, describe_exit
-from workhorse.pool.ipc import Job, Stop
+from workhorse.pool.ipc import Claimed, Corrupt, Done, Hello, Job, Stop
 
 
 class FakeHandle:
@@ -17,12 +18,14 @@ class FakeHandle:
         self.sent: list[object] = []
         self.killed = 0
         self.closed = False
+        self.written: list[object] = []    # what the pipe holds for receive()
 
     def send(self, frame: object) -> None:
         self.sent.append(frame)
 
     def receive(self) -> list[object]:
-        return []
+        frames, self.written = self.written, []
+        return frames
 
     at_eof = False
 
@@ -126,3 +129,81 @@ def test_stopping_a_child_that_has_exited_unreaped_is_not_an_error():
     child.stop()
     assert child.state is ChildState.STOPPING
     assert child.on_exit(1) is None
+
+
+# ---------------------------------------------------------------- frames that do not belong
+FORKED = FakeHandle.pid + 1       # a process the task forked: same pipe, another pid
+
+
+def busy() -> tuple[Child, FakeHandle]:
+    child, handle = make()
+    child.on_hello()
+    child.assign("delivery", JOB, 1.0)
+    return child, handle
+
+
+def test_frames_of_the_current_job_from_the_child_are_passed_on():
+    child, handle = busy()
+    frames = [Claimed(FakeHandle.pid, JOB.seq, "key", "owner"),
+              Done(FakeHandle.pid, JOB.seq, "succeeded")]
+    handle.written = list(frames)
+    assert child.receive() == frames
+
+
+def test_a_second_done_from_a_forked_copy_is_ignored_and_logged(caplog):
+    child, handle = busy()
+    own = Done(FakeHandle.pid, JOB.seq, "succeeded")
+    handle.written = [Done(FORKED, JOB.seq, "succeeded"), own]
+    with caplog.at_level(logging.WARNING):
+        assert child.receive() == [own]
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "child 1" in record.message and f"pid {FakeHandle.pid}" in record.message
+    assert f"pid {FORKED}" in record.message and "Done" in record.message
+
+
+def test_a_done_for_another_job_is_ignored_and_logged(caplog):
+    child, handle = busy()
+    handle.written = [Done(FakeHandle.pid, JOB.seq + 1, "succeeded"),
+                      Claimed(FakeHandle.pid, JOB.seq - 1, "key", "owner")]
+    with caplog.at_level(logging.WARNING):
+        assert child.receive() == []
+    assert [("Done" in r.message, "Claimed" in r.message) for r in caplog.records] == [
+        (True, False), (False, True)]
+    assert child.state is ChildState.BUSY
+
+
+def test_a_done_reaching_an_idle_child_is_ignored_not_an_invalid_transition(caplog):
+    child, handle = busy()
+    done = Done(FakeHandle.pid, JOB.seq, "succeeded")
+    handle.written = [done]
+    [frame] = child.receive()
+    child.on_done(rss=1)
+    handle.written = [done]                 # the same job's Done, a second time
+    with caplog.at_level(logging.WARNING):
+        assert child.receive() == []
+    assert child.state is ChildState.IDLE and "Done" in caplog.text
+
+
+def test_a_hello_from_another_process_is_ignored(caplog):
+    child, handle = make()
+    handle.written = [Hello(FORKED)]
+    with caplog.at_level(logging.WARNING):
+        assert child.receive() == []
+    assert "Hello" in caplog.text and child.state is ChildState.SPAWNING
+
+
+def test_something_that_is_no_frame_at_all_is_ignored(caplog):
+    child, handle = busy()
+    handle.written = ["not a frame"]
+    with caplog.at_level(logging.WARNING):
+        assert child.receive() == []
+    assert "str" in caplog.text
+
+
+def test_a_broken_stream_is_passed_on_last_for_the_supervisor_to_kill_the_child():
+    child, handle = busy()
+    done = Done(FakeHandle.pid, JOB.seq, "succeeded")
+    mark = Corrupt("a frame does not unpickle")
+    handle.written = [done, mark]
+    assert child.receive() == [done, mark]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import time
 
@@ -264,12 +265,29 @@ def test_max_tasks_per_child_recycles(broker, client, start_worker):
 
 
 @pytest.mark.parametrize("broker", ["sqlite"], indirect=True)
-def test_max_memory_per_child_recycles_after_the_task(broker, client, start_worker):
+def test_max_memory_per_child_measures_the_child_and_recycles_it_after_the_task(
+        broker, client, start_worker):
+    """The limit is well above the supervisor's RSS (about 40 MB) and a fresh child's: only
+    a child that grew past it is recycled, at once after its task, and the log names the
+    child's RSS. (It once measured the supervisor, whose pid it had captured before fork.)"""
     from tests.apps.basic import hog, pid
-    worker = start_worker(broker, concurrency=1, max_memory_per_child="150MiB")
-    first = hog.delay(200).get(timeout=30)          # finishes, then the child is replaced
-    worker.wait_for_log("recycling child 1")
-    assert pid.delay().get(timeout=30) != first
+    limit = 64 * 1024 * 1024
+    small = [pid.delay() for _ in range(2)]
+    big = hog.delay(3 * limit // (1024 * 1024))       # held by the child after it returns
+    after = pid.delay()
+    # All four are fetched before the first one ends: the next one starts at once.
+    worker = start_worker(broker, concurrency=1, prefetch_multiplier=4,
+                          max_memory_per_child="64MiB")
+    supervisor_rss = psutil.Process(worker.pid).memory_info().rss
+    assert supervisor_rss < limit / 1.2, "the limit must be well above the supervisor's RSS"
+    first, second = (r.get(timeout=30) for r in small)
+    hog_pid = big.get(timeout=30)
+    assert first == second == hog_pid            # small tasks leave the child alone
+    assert after.get(timeout=30) != hog_pid      # recycled before it could take the next
+    log = worker.wait_for_log(rf"recycling child 1 \(pid {hog_pid}\): uses \d+ KiB")
+    [kib] = re.findall(rf"recycling child 1 \(pid {hog_pid}\): uses (\d+) KiB", log)
+    assert int(kib) * 1024 >= 3 * limit > supervisor_rss
+    assert log.count("recycling child") == 1
 
 
 @pytest.mark.parametrize("broker", ["sqlite"], indirect=True)

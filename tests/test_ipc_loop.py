@@ -3,15 +3,25 @@ from __future__ import annotations
 
 import os
 import signal
+import struct
 import time
 
 from workhorse.daemon.loop import Loop
 from workhorse.daemon.signals import SignalPipe
-from workhorse.pool.ipc import Done, FrameReader, encode, read_frame, write_frame
+from workhorse.pool.ipc import (
+    Claimed,
+    Corrupt,
+    Done,
+    FrameReader,
+    Hello,
+    encode,
+    read_frame,
+    write_frame,
+)
 
 
 def test_frames_survive_being_split_anywhere():
-    frames = [Done(i, "succeeded", "x" * i) for i in range(50)]
+    frames = [Done(4242, i, "succeeded", "x" * i) for i in range(50)]
     data = b"".join(encode(f) for f in frames)
     r, w = os.pipe()
     os.set_blocking(r, False)
@@ -116,3 +126,56 @@ def test_a_reader_removed_earlier_in_the_same_batch_is_not_called():
             os.close(r)
             os.close(w)
         loop.close()
+
+
+# ---------------------------------------------------------------- a stream that breaks
+def _reader_fed(data: bytes) -> tuple[FrameReader, int, int]:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.write(w, data)
+    return FrameReader(r), r, w
+
+
+def test_a_payload_that_does_not_unpickle_ends_the_stream_with_a_corrupt_mark():
+    good = Done(4242, 1, "succeeded")
+    reader, r, w = _reader_fed(encode(good) + struct.pack("!I", 4) + b"junk")
+    try:
+        frames = reader.read()
+        assert frames[0] == good
+        assert isinstance(frames[1], Corrupt) and len(frames) == 2
+        assert "unpickl" in frames[1].reason
+        # Nothing after the break is trusted, not even a well-formed frame.
+        os.write(w, encode(good))
+        assert reader.read() == []
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_length_beyond_any_frame_is_corrupt_without_waiting_for_the_payload():
+    reader, r, w = _reader_fed(struct.pack("!I", 0xFFFF_FFF0) + b"\x80\x05")
+    try:
+        [mark] = reader.read()
+        assert isinstance(mark, Corrupt) and str(0xFFFF_FFF0) in mark.reason
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_two_writers_interleaving_their_frames_break_the_stream():
+    first = encode(Done(4242, 1, "succeeded", "x" * 100))
+    second = encode(Done(4343, 1, "succeeded", "y" * 100))
+    reader, r, w = _reader_fed(first[:20] + second + first[20:])
+    try:
+        frames = reader.read()
+        assert frames and isinstance(frames[-1], Corrupt)
+        assert all(isinstance(f, Done) for f in frames[:-1])
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_frames_from_the_child_name_their_sender():
+    assert Done(4242, 1, "succeeded").pid == 4242
+    assert Claimed(4242, 1, "key", "owner").pid == 4242
+    assert Hello(4242).pid == 4242

@@ -358,7 +358,7 @@ def test_a_finished_job_reports_done_and_a_child_over_max_tasks_is_recycled():
     (child,) = slots.idle()
     d = delivery()
     slots.start(child, d, JOB, None, None)
-    os_.handles[0].inbox.append(Done(1, Outcome.SUCCEEDED.value))
+    os_.handles[0].inbox.append(Done(os_.handles[0].pid, 1, Outcome.SUCCEEDED.value))
     slots.on_readable(child)
     assert events.done == [(d.request.id, "succeeded")]
     assert child.state is ChildState.STOPPING
@@ -416,7 +416,7 @@ def test_shrinking_a_busy_pool_retires_the_next_child_to_finish():
                 None, None)
     slots.resize(1)
     assert slots.size == 1 and first.busy and second.busy
-    os_.handles[1].inbox.append(Done(2, Outcome.SUCCEEDED.value))
+    os_.handles[1].inbox.append(Done(os_.handles[1].pid, 2, Outcome.SUCCEEDED.value))
     slots.on_readable(second)
     assert second.state is ChildState.STOPPING and first.busy
     os_.handles[1].code = 0
@@ -434,7 +434,7 @@ def test_renew_replaces_idle_children_now_and_busy_ones_after_their_task():
     os_.handles[0].code = 0
     slots.reap()
     assert len(os_.handles) == 3              # the idle one replaced at once
-    os_.handles[1].inbox.append(Done(1, Outcome.SUCCEEDED.value))
+    os_.handles[1].inbox.append(Done(os_.handles[1].pid, 1, Outcome.SUCCEEDED.value))
     slots.on_readable(busy)
     assert busy.state is ChildState.STOPPING
     os_.handles[1].code = 0

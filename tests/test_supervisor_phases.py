@@ -34,7 +34,7 @@ def receive(supervisor, *messages):
 def finish(supervisor, os_, index: int, seq: int) -> None:
     """Child ``index`` reports its job ``seq`` done, then (if told to stop) exits."""
     handle = os_.handles[index]
-    handle.inbox.append(Done(seq, Outcome.SUCCEEDED.value))
+    handle.inbox.append(Done(handle.pid, seq, Outcome.SUCCEEDED.value))
     child = next(c for c in supervisor.slots.children() if c.pid == handle.pid)
     supervisor.slots.on_readable(child)
     supervisor._after_events()

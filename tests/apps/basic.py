@@ -5,12 +5,17 @@ $WORKHORSE_TEST_RUNLOG (one line per start: "<name> <task id> <pid>").
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
+import stat
+import struct
 import subprocess
 import time
+from pathlib import Path
 
 from workhorse import App, SoftTimeLimitExceeded
+from workhorse.backends.sqlite import SQLiteBackend
 
 app = App("basic")
 
@@ -79,6 +84,75 @@ def soft_catch(self, seconds):
 @app.task
 def unencodable():
     return object()
+
+
+@app.task(bind=True)
+def fork_and_return(self, linger=0.0):
+    """Forks, and returns its pid in both processes. Without ``linger`` the original waits
+    for the copy to return first; with it the original returns at once and the copy
+    returns ``linger`` seconds later, while its child may be running the next task."""
+    _record("fork_and_return", self.request.id)
+    copy = os.fork()
+    if copy == 0:
+        _record("forked_copy", self.request.id)
+        if linger:
+            time.sleep(linger)
+        return os.getpid()
+    if not linger:
+        os.waitpid(copy, 0)
+    return os.getpid()
+
+
+def _nested(depth):
+    value = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@app.task(bind=True)
+def deep_result(self, depth=100_000):
+    """Returns a list nested too deep for any JSON encoder."""
+    _record("deep_result", self.request.id)
+    return _nested(depth)
+
+
+@app.task(bind=True)
+def deep_error(self, depth=100_000):
+    """Raises an exception whose argument is nested too deep for any JSON encoder."""
+    _record("deep_error", self.request.id)
+    raise ValueError(_nested(depth))
+
+
+@app.task(bind=True)
+def garble_frames(self):
+    """Writes what is no frame into its child's pipe to the supervisor (the one pipe the
+    child may write to), then waits to be killed for it."""
+    _record("garble_frames", self.request.id)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            is_pipe = stat.S_ISFIFO(os.fstat(fd).st_mode)
+        except OSError:
+            continue
+        if is_pipe and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY:
+            os.write(fd, struct.pack("!I", 4) + b"junk")
+    time.sleep(60)
+    return "not killed"
+
+
+class CountingBackend(SQLiteBackend):
+    """The tests' SQLite result store (the file conftest.worker_env names), recording each
+    result it stores as a line "stored:<state> <task id> <pid>" in the run log.
+    Use it with ``result_backend="tests.apps.basic:CountingBackend"``."""
+
+    def __init__(self, url, **options):
+        store = Path(os.environ["WH_TEST_RUNLOG"]).with_name("results.sqlite3")
+        super().__init__(f"sqlite:///{store}", **options)
+
+    def _set(self, task_id, state, payload):
+        super()._set(task_id, state, payload)
+        _record(f"stored:{state}", task_id)
 
 
 _hoard: list[bytearray] = []

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from ..exceptions import ResultEncodeError, TaskRevokedError, TimeoutError
 from ..states import FAILURE, PENDING, READY_STATES, RETRY, REVOKED, STARTED, SUCCESS
-from .encoding import build_meta, dumps, encode_exception, loads
+from .encoding import build_meta, describe_exception, dumps, encode_exception, loads
 
 RequestInfo = Mapping[str, Any]
 T = TypeVar("T")
@@ -144,15 +144,17 @@ class Backend(ABC):
     def store_result(self, task_id: str, result: Any, state: str,
                      traceback: str | None = None, request: RequestInfo | None = None,
                      extra: Mapping[str, Any] | None = None) -> None:
-        meta = build_meta(task_id, state, result, traceback, request=request,
-                          extended=self.extended)
-        if extra:
-            meta.update(extra)
         try:
+            meta = build_meta(task_id, state, result, traceback, request=request,
+                              extended=self.extended)
+            if extra:
+                meta.update(extra)
             payload = dumps(meta)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:   # any error here is the value's, not the store's
+            # Not retried and not a store outage: the same value fails the same way again.
             raise ResultEncodeError(
-                f"the {state} result of task {task_id} cannot be encoded as JSON: {exc}") from exc
+                f"the {state} result of task {task_id} cannot be encoded as JSON: "
+                f"{describe_exception(exc)}") from exc
         self.retrying(f"storing {state} for {task_id}", lambda: self._set(task_id, state, payload))
 
     def mark_as_started(self, task_id: str, request: RequestInfo | None = None) -> None:

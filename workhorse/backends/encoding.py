@@ -3,9 +3,14 @@
 Exceptions travel as ``{exc_type, exc_message, exc_module}`` (WIRE.md). Reading one back
 never imports a module and never calls anything but an exception class: a name that is
 not a loaded ``BaseException`` subclass becomes a synthesized exception class of that name.
+
+Encoding a task's value runs code the task chose (``__json__``, ``__repr__``) and can fail
+in any way (RecursionError for a deeply nested list): what cannot be encoded is replaced
+by its repr, or refused as a whole, never raised as if the store had failed.
 """
 from __future__ import annotations
 
+import reprlib
 import sys
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -15,17 +20,56 @@ from kombu.utils.json import dumps, loads
 
 from ..states import EXCEPTION_STATES, READY_STATES
 
-__all__ = ["dumps", "loads", "encode_exception", "decode_exception", "build_meta"]
+__all__ = ["dumps", "loads", "encode_exception", "decode_exception", "build_meta",
+           "safe_repr", "describe_exception"]
 
 _synthesized: dict[tuple[str | None, str], type[BaseException]] = {}
+
+#: How long a repr made in place of a value may get.
+REPR_LIMIT = 2000
+
+# Bounded in depth and size, and an object whose own repr raises is named, not raised.
+_bounded = reprlib.Repr()
+_bounded.maxlevel = 10
+_bounded.maxstring = _bounded.maxother = _bounded.maxlong = REPR_LIMIT
+
+
+def safe_repr(value: Any) -> str:
+    """``repr(value)`` cut to ``REPR_LIMIT``; one that fails (too deep, a raising
+    ``__repr__``) gives way to a depth-bounded one. Never raises."""
+    if isinstance(value, BaseException):
+        return describe_exception(value)
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - the value's own code, failing in its own way
+        text = _bounded_repr(value)
+    return text[:REPR_LIMIT]
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``ValueError('bad', 42)`` for any exception, whatever its args hold. Never raises."""
+    try:
+        text = repr(exc)
+    except Exception:  # noqa: BLE001 - its args' reprs, failing in their own way
+        args = exc.args
+        inner = _bounded_repr(args[0]) if len(args) == 1 else _bounded_repr(args)[1:-1]
+        text = f"{type(exc).__name__}({inner})"
+    return text[:REPR_LIMIT]
+
+
+def _bounded_repr(value: Any) -> str:
+    try:
+        return _bounded.repr(value)
+    except Exception:  # noqa: BLE001 - reprlib still calls repr() on ints (too many digits)
+        return f"<{type(value).__name__} that cannot be shown>"
 
 
 def _json_safe(value: Any) -> Any:
     """Keep what JSON can hold; anything else becomes its repr (exception args only)."""
     try:
         dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)
+    except Exception:  # noqa: BLE001 - encoding runs the value's code (__json__): any error
+        return safe_repr(value)
     return value
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..outcome import Outcome
 from ..pool.child import Child, ChildState, ProcessHandle, describe_exit
-from ..pool.ipc import Claimed, Done, Hello, Job
+from ..pool.ipc import Claimed, Corrupt, Done, Hello, Job
 from ..pool.limits import SOFT_LIMIT_SIGNAL
 from . import systemd
 from .delivery import Delivery
@@ -136,7 +136,12 @@ class Slots:
         self.loop.add_reader(handle.read_fd, lambda: self.on_readable(child))
 
     def on_readable(self, child: Child) -> None:
-        for frame in child.handle.receive():
+        for frame in child.receive():
+            if isinstance(frame, Corrupt):
+                why = f"it wrote frames that cannot be read ({frame.reason})"
+                log.error("%s: %s; killing it", child.name, why)
+                child.kill(Outcome.CHILD_LOST, why)
+                break
             if isinstance(frame, Hello):
                 child.on_hello()
             elif isinstance(frame, Claimed):

@@ -81,6 +81,9 @@ class Supervisor:
         self.settings = settings
         self.hostname: str = settings.hostname
         self.system = system or System()
+        # What is open now belongs to the process that started us; what the supervisor
+        # opens from here on (its signal pipe, selector, broker sockets) children close.
+        self.system.mark_fds()
         self.phase = Phase.STARTING
         self.exit_code: int = ExitCode.OK
         self._interrupts = 0
@@ -128,7 +131,6 @@ class Supervisor:
 
     def run(self) -> int:
         """Run until shut down; return the process exit status."""
-        self.system.mark_fds()
         self.signals.install()
         self.loop.add_reader(self.signals.read_fd, self._on_signals)
         # One attempt per call: transient store errors are retried from loop timers

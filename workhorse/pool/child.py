@@ -9,10 +9,13 @@ so the transitions are tested with a fake handle and no fork.
 from __future__ import annotations
 
 import enum
+import logging
 import signal
 from typing import Any, Protocol
 
-from .ipc import Job, Stop
+from .ipc import Claimed, Corrupt, Done, Job, Stop
+
+log = logging.getLogger("workhorse.supervisor")
 
 
 class ChildState(str, enum.Enum):
@@ -42,8 +45,8 @@ class ProcessHandle(Protocol):
 
 #: Why a child may have died, for the log line an operator reads.
 _SIGNAL_HINTS = {
-    signal.SIGKILL: "out of memory? (the kernel's OOM killer sends SIGKILL) "
-                    "or killed by an operator",
+    signal.SIGKILL: ("out of memory? (the kernel's OOM killer sends SIGKILL) or killed by an "
+                     "operator"),
     signal.SIGSEGV: "a crash in C code (an extension module?)",
     signal.SIGBUS: "a crash in C code (an extension module, or a truncated mmap?)",
     signal.SIGABRT: "an abort() in C code (a failed assertion in an extension?)",
@@ -72,6 +75,7 @@ class Child:
         self.state = ChildState.SPAWNING
         self.booted = False                  # said Hello: it got through its setup
         self.job: Any = None                 # the Delivery it runs, while BUSY
+        self.job_seq: int | None = None      # and that job's seq
         self.job_started_at = 0.0
         self.timers: list[Any] = []          # the running job's limit timers
         self.tasks_done = 0
@@ -86,6 +90,36 @@ class Child:
                 f"{self.name} is {self.state.value}, "
                 f"expected {' or '.join(s.value for s in states)}")
 
+    # -- what the process wrote
+    def receive(self) -> list[object]:
+        """The frames the child wrote about what it does now, in order; a ``Corrupt`` mark
+        comes last. Anything else (from a process the task forked, about a job that is
+        over, or no frame at all) is logged and dropped: acting on it would settle a job
+        twice or settle the wrong one."""
+        frames = []
+        for frame in self.handle.receive():
+            stray = self._stray(frame)
+            if stray is None:
+                frames.append(frame)
+            else:
+                log.warning("%s: ignored a %s frame %s", self.name, type(frame).__name__,
+                            stray)
+        return frames
+
+    def _stray(self, frame: object) -> str | None:
+        """Why ``frame`` is not the child's word on its current state, or None."""
+        if isinstance(frame, Corrupt):
+            return None
+        sender = getattr(frame, "pid", None)
+        if sender != self.pid:
+            return (f"from pid {sender}, not the child (a process its task forked?)"
+                    if isinstance(sender, int) else "that is not a frame")
+        if isinstance(frame, (Claimed, Done)) and (
+                self.state is not ChildState.BUSY or frame.seq != self.job_seq):
+            running = f"job {self.job_seq}" if self.state is ChildState.BUSY else "no job"
+            return f"about job {frame.seq} while it runs {running}"
+        return None
+
     # -- transitions
     def on_hello(self) -> None:
         """The child is set up. One told to stop while starting stays stopping."""
@@ -99,12 +133,13 @@ class Child:
         self.handle.send(frame)
         self.state = ChildState.BUSY
         self.job = job
+        self.job_seq = frame.seq
         self.job_started_at = now
 
     def on_done(self, rss: int) -> Any:
         """The job finished; return it (its limit timers are the caller's to cancel)."""
         self._expect(ChildState.BUSY)
-        job, self.job = self.job, None
+        job, self.job, self.job_seq = self.job, None, None
         self.state = ChildState.IDLE
         self.tasks_done += 1
         self.rss = rss
@@ -133,7 +168,7 @@ class Child:
     def on_exit(self, code: int) -> Any:
         """The process is gone; return the job it held, if any."""
         self._expect(ChildState.SPAWNING, ChildState.IDLE, ChildState.BUSY, ChildState.STOPPING)
-        job, self.job = self.job, None
+        job, self.job, self.job_seq = self.job, None, None
         self.state = ChildState.EXITED
         self.exitcode = code
         self.handle.close()

@@ -6,6 +6,7 @@ is reported, so with acks_late a message is never acked before its result is saf
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from ..exceptions import (
 )
 from ..outcome import Outcome
 from ..backends import Claim
+from ..backends.encoding import describe_exception, safe_repr
 from ..protocol import Request, decode_body, parse_request
 from ..states import FAILURE, SUCCESS
 from ..retrying import retry_countdown, should_autoretry
@@ -44,23 +46,24 @@ class Finished:
 
 
 class TaskExecution:
-    """One job in one child. ``armed`` arms the soft time limit around the task body."""
+    """One job in one child. ``around_task`` wraps the task body alone: the child arms its
+    soft time limit there, and stops any process the task forked as it returns."""
 
     def __init__(self, app: App, job: Job, hostname: str,
-                 armed: Callable[[], AbstractContextManager[None]],
+                 around_task: Callable[[], AbstractContextManager[None]],
                  report: Callable[[object], None]) -> None:
         self.app = app
         self.job = job
         self.hostname = hostname
-        self.armed = armed
+        self.around_task = around_task
         self.report = report                  # sends a frame to the supervisor
         self.claim_key: str | None = None     # the idempotency key this run holds
 
     def run(self) -> Finished:
         job = self.job
         request = parse_request(job.headers)   # the supervisor checked these already
-        self.label = f"{job.task}[{request.id}]"
         self.task_id = request.id
+        self.label = f"{job.task}[{request.id}]"
         task = self.app.tasks.get(job.task)
         if task is None:   # the supervisor checks the registry first; never trust it blindly
             return Finished(Outcome.UNKNOWN_TASK, str(NotRegistered(job.task)))
@@ -144,7 +147,7 @@ class TaskExecution:
                      self.label, key)
             return Finished(Outcome.CLAIMED_ELSEWHERE, key)
         self.claim_key = key
-        self.report(Claimed(job.seq, key, job.claim_owner))
+        self.report(Claimed(os.getpid(), job.seq, key, job.claim_owner))
         return None
 
     def _end_claim(self, finished: Finished) -> None:
@@ -169,7 +172,7 @@ class TaskExecution:
             backend.mark_as_started(self.task_id, request=self.info)
         started = time.monotonic()
         try:
-            with self.armed():
+            with self.around_task():
                 retval = task.run(task, *args, **kwargs) if task.bind else task.run(*args, **kwargs)
         except Retry as signal:
             return self._retried(signal)
@@ -199,23 +202,28 @@ class TaskExecution:
             except ResultEncodeError as exc:
                 log.error("Task %s returned a value that cannot be stored: %s", self.label, exc)
                 return self._failed(exc, None, runtime)
-        log.info("Task %s succeeded in %.3fs: %.200r", self.label, runtime, retval)
+        log.info("Task %s succeeded in %.3fs: %.200s", self.label, runtime, safe_repr(retval))
         self._apply_callbacks(retval)
         self._chord_part(SUCCESS, retval)
         return Finished(Outcome.SUCCEEDED)
 
     def _failed(self, exc: BaseException, tb: str | None, runtime: float) -> Finished:
-        log.error("Task %s raised %s in %.3fs: %r\n%s", self.label, type(exc).__name__, runtime,
-                  exc, tb or "")
+        described = describe_exception(exc)     # str(exc) may fail: its args are the task's
+        log.error("Task %s raised %s in %.3fs: %s\n%s", self.label, type(exc).__name__, runtime,
+                  described, tb or "")
         if self.store:
             self._store_failure(exc, tb)
         self._call_errbacks(exc, tb)
         self._chord_part(FAILURE, exc)
-        return Finished(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
+        return Finished(Outcome.FAILED, described)
 
     def _retried(self, signal: Retry) -> Finished:
-        log.info("Task %s retry: %s", self.label, signal)
-        return Finished(Outcome.RETRY, str(signal))
+        try:
+            detail = str(signal)
+        except Exception:  # noqa: BLE001 - it shows the task's exception, which may not show
+            detail = describe_exception(signal)
+        log.info("Task %s retry: %s", self.label, detail)
+        return Finished(Outcome.RETRY, detail)
 
     def _rejected(self, reject: Reject) -> Finished:
         if not self.job.acks_late:
@@ -233,10 +241,13 @@ class TaskExecution:
         backend = self.app.backend
         try:
             backend.mark_as_failure(self.task_id, exc, tb, request=self.info)
-        except ResultEncodeError:
-            # The exception's own args would not encode: store a plain description instead.
+        except ResultEncodeError as error:
+            # Args that do not encode are stored as their reprs; this is for whatever else
+            # fails (an exception class that cannot be named): store a description instead.
+            log.error("Task %s: %s; storing ResultEncodeError instead", self.label, error)
             backend.mark_as_failure(self.task_id, ResultEncodeError(
-                f"{type(exc).__name__}: {exc!r}"[:2000]), tb, request=self.info)
+                f"the task raised {describe_exception(exc)}, which cannot be stored"), tb,
+                request=self.info)
 
     # ------------------------------------------------------------------ retries
     def _autoretries(self, exc: Exception) -> bool:
@@ -266,7 +277,7 @@ class TaskExecution:
             try:
                 signature(data, self.app).apply_async(
                     (retval,), parent_id=ctx.id, root_id=ctx.root_id, **extra)
-            except Exception:  # logged, not raised: the task itself succeeded and is stored
+            except Exception:   # the task itself succeeded and is stored
                 log.exception("Task %s: could not send its callback %s", self.label,
                               data.get("task"))
 

@@ -3,6 +3,10 @@
 Pickle is safe here: both ends are our own processes, forked from one image. Frames carry
 already-received broker data (raw body bytes), never code from outside.
 The supervisor reads without blocking (``FrameReader``); a child reads and writes blocking.
+
+Every frame a child writes names its sender's pid, and those about a job name the job's
+seq: a process the task forked shares the child's pipe, and the supervisor acts only on
+what the child itself wrote about the job it runs (``Child.receive``).
 """
 from __future__ import annotations
 
@@ -14,6 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 _LEN = struct.Struct("!I")
+#: A child's frames are small (a Done's detail is bounded): a length beyond this is not a
+#: frame but garbage, e.g. two processes' writes interleaved.
+MAX_FRAME = 16 * 1024 * 1024
+#: How much of an outcome's description a Done carries.
+MAX_DETAIL = 10_000
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,7 @@ class Hello:
 class Claimed:
     """Child → supervisor: an idempotent task claimed its key; renew it while it runs."""
 
+    pid: int
     seq: int
     key: str
     owner: str
@@ -61,10 +71,19 @@ class Claimed:
 class Done:
     """Child → supervisor: the job's outcome, after its result is stored."""
 
+    pid: int
     seq: int
     outcome: str           # an Outcome value
     detail: str | None = None
     rss: int = 0           # the child's resident set size in bytes, measured after the task
+
+
+@dataclass(frozen=True)
+class Corrupt:
+    """Not a frame: where ``FrameReader`` found bytes that are none (a length or a pickle
+    that cannot be read). Nothing after it is trusted; the child has to go."""
+
+    reason: str
 
 
 def encode(obj: object) -> bytes:
@@ -110,9 +129,11 @@ class FrameReader:
         self.fd = fd
         self._buffer = bytearray()
         self.eof = False
+        self.broken = False
 
     def read(self) -> list[Any]:
-        """Read what the fd has now; return the frames completed by it."""
+        """Read what the fd has now; return the frames completed by it, ending with a
+        ``Corrupt`` if the stream broke. Once broken, what follows is read and dropped."""
         while True:
             try:
                 chunk = os.read(self.fd, 65536)
@@ -126,19 +147,33 @@ class FrameReader:
             if not chunk:
                 self.eof = True
                 break
-            self._buffer += chunk
+            if not self.broken:
+                self._buffer += chunk
             if len(chunk) < 65536:
                 break
         return self._frames()
 
     def _frames(self) -> list[Any]:
-        frames = []
+        frames: list[Any] = []
         buffer = self._buffer
-        while len(buffer) >= _LEN.size:
+        while not self.broken and len(buffer) >= _LEN.size:
             (length,) = _LEN.unpack_from(buffer)
+            if length > MAX_FRAME:
+                frames.append(self._break(f"a frame claims {length} bytes, more than any "
+                                          f"frame holds ({MAX_FRAME})"))
+                break
             end = _LEN.size + length
             if len(buffer) < end:
                 break
-            frames.append(pickle.loads(bytes(buffer[_LEN.size:end])))
+            try:
+                frames.append(pickle.loads(bytes(buffer[_LEN.size:end])))
+            except Exception as exc:  # noqa: BLE001 - garbage fails in any way it likes
+                frames.append(self._break(f"a frame does not unpickle: {exc!r:.200}"))
+                break
             del buffer[:end]
         return frames
+
+    def _break(self, reason: str) -> Corrupt:
+        self.broken = True
+        self._buffer.clear()
+        return Corrupt(reason)

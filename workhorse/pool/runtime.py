@@ -3,15 +3,23 @@
 A child runs one task at a time and holds nothing else: the prefetch buffer lives in the
 supervisor. It exits when the supervisor says so, when its pipe closes, or — through
 PR_SET_PDEATHSIG — at once when the supervisor dies, so no orphan keeps running tasks.
+
+A task may fork. The copy shares the child's memory and pipes, so if it returned into this
+module it would store the task's result a second time, report a second Done, and then
+read jobs meant for the child. It does not get that far: the pipes' descriptors are
+pointed at /dev/null in any process forked here, and a process that is not the child
+exits as soon as the task returns (or raises) in it.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import signal
 import sys
 import traceback
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import psutil
@@ -19,7 +27,7 @@ import setproctitle
 from billiard.util import set_pdeathsig
 
 from .execute import TaskExecution
-from .ipc import Done, Hello, Job, Stop, read_frame, write_frame
+from .ipc import MAX_DETAIL, Done, Hello, Job, Stop, read_frame, write_frame
 from .limits import SOFT_LIMIT_SIGNAL, SoftLimit, signals_blocked
 
 if TYPE_CHECKING:
@@ -46,11 +54,17 @@ class ChildRuntime:
         self.supervisor_pid = supervisor_pid
         self.hostname = hostname
         self.soft_limit = SoftLimit()
-        self.process = psutil.Process()
+        self.current = ""                    # the running task's label, for logs
+        # Set in setup(), after fork: made here they would name the supervisor.
+        self.pid = 0
+        self.process: psutil.Process | None = None
 
     # -- setup
     def setup(self, close_fds: list[int]) -> None:
         """Fork hygiene: own group, die with the supervisor, own signals, no supervisor fds."""
+        self.pid = os.getpid()
+        self.process = psutil.Process(self.pid)
+        os.register_at_fork(after_in_child=self._unplug_forked_copy)
         os.setpgid(0, 0)
         set_pdeathsig(signal.SIGKILL)
         if os.getppid() != self.supervisor_pid:   # the supervisor died before prctl
@@ -82,9 +96,52 @@ class ChildRuntime:
     def set_title(self, what: str) -> None:
         setproctitle.setproctitle(f"workhorse: child {self.index} {what}")
 
+    # -- processes the task forks
+    def _unplug_forked_copy(self) -> None:
+        """In a process os.fork()ed by a task: its copies of the child's pipes read and
+        write /dev/null, so even a copy that outlives its task cannot send a frame or take a
+        job. (A fork that bypasses os.fork, through libc, skips this: the supervisor then
+        drops the copy's frames by their pid, or kills the child if they interleave.)"""
+        devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        for fd in (self.read_fd, self.write_fd):
+            with contextlib.suppress(OSError):
+                os.dup2(devnull, fd)
+        os.close(devnull)
+
+    @contextlib.contextmanager
+    def running_task(self) -> Iterator[None]:
+        """Around the task body: the soft limit is armed, and a process the task forked
+        exits the moment the task returns or raises in it, before anything is stored,
+        reported or called back; the child alone finishes the job."""
+        try:
+            with self.soft_limit.armed_around_task():
+                yield
+        except BaseException as exc:
+            if os.getpid() != self.pid:
+                self._exit_forked_copy(exc)
+            raise
+        if os.getpid() != self.pid:
+            self._exit_forked_copy(None)
+
+    def _exit_forked_copy(self, exc: BaseException | None) -> None:
+        """Exit the forked copy as a plain Python process would: 0 for a return, the
+        SystemExit code, 1 for an exception; without cleanups that belong to the child."""
+        code = 0 if exc is None else 1
+        if isinstance(exc, SystemExit):
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        try:
+            log.warning("pid %d, forked by task %s, came back from the task: it exits "
+                        "(status %d) without storing a result or reporting to the "
+                        "supervisor; child %d (pid %d) finishes the job", os.getpid(),
+                        self.current, code, self.index, self.pid)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
     # -- main loop
     def run(self) -> int:
-        self.send(Hello(os.getpid()))
+        self.send(Hello(self.pid))
         while True:
             frame = read_frame(self.read_fd)
             if frame is None or isinstance(frame, Stop):
@@ -100,15 +157,19 @@ class ChildRuntime:
 
     # -- one task
     def execute(self, job: Job) -> Done:
-        execution = TaskExecution(self.app, job, self.hostname, self.soft_limit.armed_around_task,
-                                  self.send)
-        self.set_title(f"running {job.task}[{job.headers.get('id')}]")
+        execution = TaskExecution(self.app, job, self.hostname, self.running_task, self.send)
+        self.current = f"{job.task}[{job.headers.get('id')}]"
+        self.set_title(f"running {self.current}")
         finished = execution.run()
+        detail = None if finished.detail is None else finished.detail[:MAX_DETAIL]
+        return Done(os.getpid(), job.seq, finished.outcome.value, detail, self.rss())
+
+    def rss(self) -> int:
+        """This child's resident set size in bytes (0 if it cannot be read)."""
         try:
-            rss = self.process.memory_info().rss
+            return self.process.memory_info().rss if self.process else 0
         except psutil.Error:
-            rss = 0
-        return Done(job.seq, finished.outcome.value, finished.detail, rss)
+            return 0
 
 
 def child_main(runtime: ChildRuntime, close_fds: list[int]) -> None:
