@@ -35,10 +35,12 @@ class FakeClock:
 
 
 class FakeHandle:
-    """A child process that never existed: frames are queued by the test."""
+    """A child process that never existed: frames are queued by the test; setting ``code``
+    makes it exit (a zombie until FakeOS.reap)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, trace: list[tuple[str, int]] | None = None) -> None:
         self.pid = pid
+        self.trace = [] if trace is None else trace     # ("killpg"|"reap", pid), in order
         self.read_fd = -pid            # never a real fd: the loop ignores unknown ones
         self.sent: list[object] = []
         self.inbox: list[object] = [Hello(pid)]
@@ -46,6 +48,7 @@ class FakeHandle:
         self.code: int | None = None
         self.killed = 0
         self.closed = False
+        self.reaped = False
 
     def send(self, frame: object) -> None:
         self.sent.append(frame)
@@ -58,8 +61,8 @@ class FakeHandle:
         self.killed += 1
         self.code = -9
 
-    def exitcode(self) -> int | None:
-        return self.code
+    def kill_group(self) -> None:
+        self.trace.append(("killpg", self.pid))
 
     def close(self) -> None:
         self.closed = True
@@ -71,6 +74,8 @@ class FakeOS:
         self.handles: list[FakeHandle] = []
         self.signals: list[tuple[int, int]] = []
         self.memory: dict[int, int] = {}
+        self.strays: dict[int, int] = {}       # exited processes not of the pool: pid → code
+        self.trace: list[tuple[str, int]] = []
 
     def monotonic(self) -> float:
         return self.clock()
@@ -84,8 +89,14 @@ class FakeOS:
     def mark_fds(self) -> None:
         pass
 
+    def guard_descendants(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
     def spawn(self, number: int, make_runtime: Callable[..., Any]) -> FakeHandle:
-        handle = FakeHandle(100 + len(self.handles))
+        handle = FakeHandle(100 + len(self.handles), self.trace)
         self.handles.append(handle)
         return handle
 
@@ -94,6 +105,19 @@ class FakeOS:
 
     def rss(self, pid: int) -> int | None:
         return self.memory.get(pid)
+
+    def exited(self) -> tuple[int, int] | None:
+        for handle in self.handles:
+            if handle.code is not None and not handle.reaped:
+                return handle.pid, handle.code
+        return next(iter(self.strays.items()), None)
+
+    def reap(self, pid: int) -> None:
+        self.trace.append(("reap", pid))
+        self.strays.pop(pid, None)
+        for handle in self.handles:
+            if handle.pid == pid and handle.code is not None:
+                handle.reaped = True
 
 
 class FakeLoop(Loop):

@@ -117,6 +117,7 @@ class Supervisor:
     def run(self) -> int:
         """Run until shut down; return the process exit status."""
         self.system.mark_fds()
+        self.system.guard_descendants()
         self.signals.install()
         self.loop.add_reader(self.signals.read_fd, self._on_signals)
         # One attempt per call: transient store errors are retried from loop timers

@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 import psutil
 
 from ..pool.child import ProcessHandle
+from ..pool.linux import become_subreaper
 from ..pool.runtime import ChildRuntime
 from ..pool.spawn import spawn
 
@@ -37,9 +38,32 @@ class System:
         """Remember the fds open before the supervisor opened its own (sockets, pipes)."""
         self._baseline_fds = _open_fds()
 
+    def guard_descendants(self) -> None:
+        """At start-up: adopt the orphans of what tasks start."""
+        become_subreaper()
+
     def spawn(self, number: int, make_runtime: RuntimeFactory) -> ProcessHandle:
         """Fork child ``number``; it closes the supervisor's private fds."""
         return spawn(number, make_runtime, _private_fds(self._baseline_fds))
+
+    def exited(self) -> tuple[int, int] | None:
+        """A child of the supervisor (one of the pool's, or adopted) that has exited, as
+        (pid, exit status; negative: killed by that signal), left unreaped: its zombie
+        keeps its pid and process group from being reused until ``reap``."""
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return None
+        if info is None:
+            return None
+        if info.si_code == os.CLD_EXITED:
+            return info.si_pid, info.si_status
+        return info.si_pid, -info.si_status        # CLD_KILLED, CLD_DUMPED
+
+    def reap(self, pid: int) -> None:
+        """Collect an exited child ``exited`` reported."""
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
 
     def signal(self, pid: int, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
