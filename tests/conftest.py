@@ -204,7 +204,7 @@ class Worker:
         self.wait_for_log(r"ready: consuming", timeout)
 
     def children(self) -> list[int]:
-        """The pool's children, not orphans the supervisor adopted."""
+        """The pool's children: not the sentinel, nor orphans the supervisor adopted."""
         import psutil
         try:
             supervisor = psutil.Process(self.pid)

@@ -1,5 +1,5 @@
-"""Processes a task starts do not outlive its child, and orphans are reaped. Real daemon,
-real signals; the broker does not matter here (SQLite)."""
+"""Processes a task starts do not outlive its child or the supervisor, and orphans are
+reaped. Real daemon, real signals; the broker does not matter here (SQLite)."""
 from __future__ import annotations
 
 import contextlib
@@ -69,6 +69,18 @@ def test_what_a_task_started_dies_with_its_child_killed_from_outside(
     os.kill(child, signal.SIGKILL)          # as the OOM killer does
     wait_until(lambda: gone(grandchild), 5, "the task's `sleep` to die with its child")
     worker.wait_for_log(r"child 1 \(pid \d+\) killed by SIGKILL")
+
+
+def test_what_a_task_started_dies_with_a_supervisor_killed_outright(
+        broker, client, start_worker, tmp_path, sleeps):
+    from tests.apps.basic import sleeper
+    worker = start_worker(broker, concurrency=1)
+    sleeper.delay(1000)
+    grandchild = started_sleep(tmp_path, sleeps)
+    child = psutil.Process(grandchild).ppid()
+    os.kill(worker.pid, signal.SIGKILL)
+    wait_until(lambda: gone(child) and gone(grandchild), 5,
+               "the child and the task's `sleep` to die with their supervisor")
 
 
 def test_an_orphan_a_task_left_behind_is_adopted_and_reaped(

@@ -1,17 +1,19 @@
-"""Reaping: the pool's SIGCHLD handling against fakes (tier 1), then the real waits and the
-billiard hand-over with real processes but no daemon."""
+"""Reaping: the pool's SIGCHLD handling against fakes (tier 1), then the real waits, the
+billiard hand-over and the sentinel with real processes but no daemon."""
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
 import signal
+import subprocess
 from collections.abc import Iterator
 
 import psutil
 import pytest
 
 from tests.fakes import FakeClock, FakeLoop, FakeOS, delivery
+from workhorse.daemon.sentinel import Sentinel
 from workhorse.daemon.slots import Recycling, Slots
 from workhorse.daemon.system import System
 from workhorse.outcome import Outcome
@@ -149,3 +151,39 @@ def test_starting_a_child_never_reaps_one_that_exited(system):
         system.reap(pid)
     assert seen == {first.pid: -signal.SIGKILL, second.pid: 3}
     assert not psutil.pid_exists(first.pid) and not psutil.pid_exists(second.pid)
+
+
+def group(seconds: int = 60) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(["sleep", str(seconds)], process_group=0)
+
+
+def test_the_sentinel_kills_the_groups_it_holds_when_the_supervisor_end_closes():
+    sentinel = Sentinel()
+    sentinel.start()
+    kept, gone = group(), group()
+    try:
+        sentinel.watch(kept.pid)
+        sentinel.watch(gone.pid)
+        sentinel.forget(gone.pid)
+        sentinel.close()                        # as the kernel does when the supervisor dies
+        assert kept.wait(10) == -signal.SIGKILL
+        assert gone.poll() is None              # told it was gone: never touched
+    finally:
+        for proc in (kept, gone):
+            proc.kill()
+            proc.wait(10)
+
+
+def test_the_sentinel_is_deaf_to_signals_meant_for_the_supervisor():
+    sentinel = Sentinel()
+    sentinel.start()
+    assert sentinel.pid is not None
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            os.kill(sentinel.pid, sig)
+        with pytest.raises(psutil.TimeoutExpired):
+            psutil.Process(sentinel.pid).wait(0.5)
+        assert os.getpgid(sentinel.pid) == sentinel.pid     # not in our process group
+    finally:
+        sentinel.close()
+    assert not psutil.pid_exists(sentinel.pid)

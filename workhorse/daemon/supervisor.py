@@ -146,6 +146,7 @@ class Supervisor:
             self.consumer.close()
             self.signals.restore()
             self.loop.close()
+            self.system.close()
         log.info("workhorse %s stopped", self.hostname)
         return self.exit_code
 

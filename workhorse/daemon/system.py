@@ -15,6 +15,7 @@ from ..pool.child import ProcessHandle
 from ..pool.linux import become_subreaper
 from ..pool.runtime import ChildRuntime
 from ..pool.spawn import spawn
+from .sentinel import Sentinel
 
 RuntimeFactory = Callable[[int, int, int], ChildRuntime]
 
@@ -24,6 +25,7 @@ class System:
 
     def __init__(self) -> None:
         self._baseline_fds: set[int] = set()
+        self.sentinel = Sentinel()
 
     def monotonic(self) -> float:
         return time.monotonic()
@@ -39,12 +41,18 @@ class System:
         self._baseline_fds = _open_fds()
 
     def guard_descendants(self) -> None:
-        """At start-up: adopt the orphans of what tasks start."""
+        """At start-up, before any socket is open: adopt the orphans of what tasks start,
+        and start the sentinel."""
         become_subreaper()
+        self.sentinel.start()
 
     def spawn(self, number: int, make_runtime: RuntimeFactory) -> ProcessHandle:
-        """Fork child ``number``; it closes the supervisor's private fds."""
-        return spawn(number, make_runtime, _private_fds(self._baseline_fds))
+        """Fork child ``number``; it closes the supervisor's private fds, and the sentinel
+        kills its group should the supervisor die."""
+        private = sorted(set(_private_fds(self._baseline_fds)) | set(self.sentinel.fds()))
+        handle = spawn(number, make_runtime, private)
+        self.sentinel.watch(handle.pid)
+        return handle
 
     def exited(self) -> tuple[int, int] | None:
         """A child of the supervisor (one of the pool's, or adopted) that has exited, as
@@ -62,8 +70,15 @@ class System:
 
     def reap(self, pid: int) -> None:
         """Collect an exited child ``exited`` reported."""
+        self.sentinel.forget(pid)       # before the number is free for reuse
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
+        if pid == self.sentinel.pid:
+            self.sentinel.exited()
+
+    def close(self) -> None:
+        """The supervisor is done: let the sentinel go."""
+        self.sentinel.close()
 
     def signal(self, pid: int, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
