@@ -1,5 +1,6 @@
-"""Processes a task starts do not outlive its child or the supervisor, and orphans are
-reaped. Real daemon, real signals; the broker does not matter here (SQLite)."""
+"""Processes a task starts do not outlive its child or the supervisor, orphans are reaped,
+and the kernel's OOM killer prefers a child to the supervisor. Real daemon, real signals;
+the broker does not matter here (SQLite)."""
 from __future__ import annotations
 
 import contextlib
@@ -95,3 +96,14 @@ def test_an_orphan_a_task_left_behind_is_adopted_and_reaped(
                "the supervisor to adopt the orphan")
     wait_until(lambda: reaped(left), 15, "the orphan, ended, to be reaped")
     assert worker.proc.poll() is None
+
+
+def test_the_oom_killer_prefers_a_child_to_the_supervisor(broker, start_worker):
+    worker = start_worker(broker)
+    children = wait_until(lambda: len(worker.children()) == 2 and worker.children(), 10,
+                          "two children")
+
+    def score(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/oom_score_adj").read_text())
+    supervisor = score(worker.pid)
+    assert all(supervisor < score(pid) for pid in children)   # type: ignore[union-attr]

@@ -18,6 +18,7 @@ from workhorse.daemon.slots import Recycling, Slots
 from workhorse.daemon.system import System
 from workhorse.outcome import Outcome
 from workhorse.pool.ipc import Job
+from workhorse.pool.linux import CHILD_OOM_SCORE_ADJ
 
 from .conftest import wait_until
 
@@ -151,6 +152,15 @@ def test_starting_a_child_never_reaps_one_that_exited(system):
         system.reap(pid)
     assert seen == {first.pid: -signal.SIGKILL, second.pid: 3}
     assert not psutil.pid_exists(first.pid) and not psutil.pid_exists(second.pid)
+
+
+def test_a_child_raises_its_own_oom_score(system):
+    with open("/proc/self/oom_score_adj") as f:
+        ours = int(f.read())
+    child = system.spawn(1, lambda *a: ExitWith(0))
+    wait_until(lambda: zombie(child.pid), 10, "the child to exit")
+    with open(f"/proc/{child.pid}/oom_score_adj") as f:     # a zombie keeps its score
+        assert int(f.read()) == max(ours, CHILD_OOM_SCORE_ADJ)
 
 
 def group(seconds: int = 60) -> subprocess.Popen[bytes]:

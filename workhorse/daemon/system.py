@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 import psutil
 
 from ..pool.child import ProcessHandle
-from ..pool.linux import become_subreaper
+from ..pool.linux import SUPERVISOR_OOM_SCORE_ADJ, become_subreaper, lower_oom_score_adj
 from ..pool.runtime import ChildRuntime
 from ..pool.spawn import spawn
 from .sentinel import Sentinel
@@ -42,8 +42,9 @@ class System:
 
     def guard_descendants(self) -> None:
         """At start-up, before any socket is open: adopt the orphans of what tasks start,
-        and start the sentinel."""
+        leave the OOM killer to children, and start the sentinel (its own score low too)."""
         become_subreaper()
+        lower_oom_score_adj(SUPERVISOR_OOM_SCORE_ADJ)
         self.sentinel.start()
 
     def spawn(self, number: int, make_runtime: RuntimeFactory) -> ProcessHandle:

@@ -18,6 +18,7 @@ from billiard import process as billiard_process
 
 from .ipc import FrameReader, write_frame
 from .limits import kill_group, kill_tree
+from .linux import CHILD_OOM_SCORE_ADJ, raise_oom_score_adj
 from .runtime import SUPERVISOR_SIGNALS, ChildRuntime, child_main
 
 _fork = billiard.get_context("fork")
@@ -75,7 +76,7 @@ def spawn(index: int, make_runtime: RuntimeFactory, private_fds: list[int]) -> F
     # reused by these pipes: never let the child close its own ends.
     own = {to_child_r, from_child_w}
     close_in_child = [fd for fd in (*private_fds, to_child_w, from_child_r) if fd not in own]
-    process = _fork.Process(target=child_main, args=(runtime, close_in_child),
+    process = _fork.Process(target=_child_main, args=(runtime, close_in_child),
                             name=f"child-{index}", daemon=False)
     # Whatever sits in the stdio buffers now would be written twice, once by each process.
     sys.stdout.flush()
@@ -100,3 +101,10 @@ def _leave_to_us(process: billiard.Process) -> None:
     """Take a started child out of billiard's hands: billiard would reap it (see above)."""
     billiard_process._children.discard(process)
     os.close(process.sentinel)
+
+
+def _child_main(runtime: ChildRuntime, close_fds: list[int]) -> None:
+    # The kernel's OOM killer should pick a child (its task is requeued) before the
+    # supervisor (which holds every message): raising one's own score is always allowed.
+    raise_oom_score_adj(CHILD_OOM_SCORE_ADJ)
+    child_main(runtime, close_fds)
