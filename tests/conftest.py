@@ -2,6 +2,7 @@
 a real worker daemon run as a subprocess in its own session."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -203,9 +204,19 @@ class Worker:
         self.wait_for_log(r"ready: consuming", timeout)
 
     def children(self) -> list[int]:
+        """The pool's children: not the sentinel, nor orphans the supervisor adopted."""
         import psutil
         try:
-            return [p.pid for p in psutil.Process(self.pid).children()]
+            supervisor = psutil.Process(self.pid)
+            own = supervisor.cmdline()
+            pids = []
+            for p in supervisor.children():
+                with contextlib.suppress(psutil.Error):
+                    cmdline = p.cmdline()
+                    # Titled once set up; until then, a copy of the supervisor.
+                    if cmdline == own or " ".join(cmdline).startswith("workhorse: child"):
+                        pids.append(p.pid)
+            return pids
         except psutil.Error:
             return []
 

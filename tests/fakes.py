@@ -14,7 +14,9 @@ from workhorse.backends import RetryPolicy
 from workhorse.daemon.delivery import Delivery
 from workhorse.daemon.loop import Loop
 from workhorse.outcome import Policy
-from workhorse.pool.ipc import Hello
+from workhorse.daemon.slots import Recycling, Slots
+from workhorse.outcome import Outcome
+from workhorse.pool.ipc import Done, Hello
 from workhorse.protocol import parse_request
 
 
@@ -36,18 +38,21 @@ class FakeClock:
 
 
 class FakeHandle:
-    """A child process that never existed: frames are queued by the test."""
+    """A child process that never existed: frames are queued by the test; setting ``code``
+    makes it exit (a zombie until FakeOS.reap)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, trace: list[tuple[str, int]] | None = None) -> None:
         self.pid = pid
         # A real pipe nobody writes to, so a real Loop can watch it; frames come from inbox.
         self.read_fd, self._write_fd = os.pipe()
+        self.trace = [] if trace is None else trace     # ("killpg"|"reap", pid), in order
         self.sent: list[object] = []
         self.inbox: list[object] = [Hello(pid)]
         self.at_eof = False
         self.code: int | None = None
         self.killed = 0
         self.closed = False
+        self.reaped = False
 
     def send(self, frame: object) -> None:
         self.sent.append(frame)
@@ -60,8 +65,8 @@ class FakeHandle:
         self.killed += 1
         self.code = -9
 
-    def exitcode(self) -> int | None:
-        return self.code
+    def kill_group(self) -> None:
+        self.trace.append(("killpg", self.pid))
 
     def close(self) -> None:
         if not self.closed:
@@ -76,6 +81,8 @@ class FakeOS:
         self.handles: list[FakeHandle] = []
         self.signals: list[tuple[int, int]] = []
         self.memory: dict[int, int] = {}
+        self.strays: dict[int, int] = {}       # exited processes not of the pool: pid → code
+        self.trace: list[tuple[str, int]] = []
 
     def monotonic(self) -> float:
         return self.clock()
@@ -89,8 +96,14 @@ class FakeOS:
     def mark_fds(self) -> None:
         pass
 
+    def guard_descendants(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
     def spawn(self, number: int, make_runtime: Callable[..., Any]) -> FakeHandle:
-        handle = FakeHandle(100 + len(self.handles))
+        handle = FakeHandle(100 + len(self.handles), self.trace)
         self.handles.append(handle)
         return handle
 
@@ -99,6 +112,19 @@ class FakeOS:
 
     def rss(self, pid: int) -> int | None:
         return self.memory.get(pid)
+
+    def exited(self) -> tuple[int, int] | None:
+        for handle in self.handles:
+            if handle.code is not None and not handle.reaped:
+                return handle.pid, handle.code
+        return next(iter(self.strays.items()), None)
+
+    def reap(self, pid: int) -> None:
+        self.trace.append(("reap", pid))
+        self.strays.pop(pid, None)
+        for handle in self.handles:
+            if handle.pid == pid and handle.code is not None:
+                handle.reaped = True
 
 
 class FakeLoop(Loop):
@@ -240,3 +266,34 @@ def fake_settings(**overrides: Any) -> Any:
     values.update({"hostname": "w@test", "concurrency": 2, "state_dir": "/nonexistent",
                    "broker_url": "memory://", "result_backend": "disabled", **overrides})
     return Settings(values, dict.fromkeys(values, "test"), ())
+
+
+class Events:
+    def __init__(self) -> None:
+        self.done: list[tuple[str, str]] = []
+        self.lost: list[tuple[str, Outcome, str]] = []
+        self.cannot_boot: list[str] = []
+
+    def job_done(self, d: Delivery, done: Done) -> None:
+        self.done.append((d.request.id, done.outcome))
+
+    def job_lost(self, d: Delivery, outcome: Outcome, detail: str) -> None:
+        self.lost.append((d.request.id, outcome, detail))
+
+    def children_cannot_boot(self, reason: str) -> None:
+        self.cannot_boot.append(reason)
+
+
+def make_slots(clock: FakeClock, size: int = 1, recycling: Recycling | None = None,
+               max_boot_failures: int = 5):
+    os_ = FakeOS(clock)
+    loop = FakeLoop(clock)
+    events = Events()
+    accepting = [True]
+    slots = Slots(size, os_, loop, lambda *a: None, events, recycling or Recycling(),
+                  lambda: accepting[0], max_boot_failures=max_boot_failures)
+    slots.spawn_all()
+    for slot in slots.slots.values():
+        assert slot.child is not None
+        slots.on_readable(slot.child)          # Hello
+    return slots, os_, loop, events, accepting

@@ -32,8 +32,8 @@ class FakeHandle:
     def kill_tree(self) -> None:
         self.killed += 1
 
-    def exitcode(self) -> int | None:
-        return None
+    def kill_group(self) -> None:
+        pass
 
     def close(self) -> None:
         self.closed = True

@@ -10,9 +10,9 @@ from tests.fakes import (
     FakeBroker,
     FakeClock,
     FakeLoop,
-    FakeOS,
     delivery,
     fake_app,
+    make_slots,
     message,
     retry_policy,
 )
@@ -22,7 +22,7 @@ from workhorse.daemon.intake import Intake
 from workhorse.daemon.leases import Leases
 from workhorse.daemon.reconnect import RECONNECT_BACKOFF_MAX, Reconnect, backoff
 from workhorse.daemon.settlement import Settlement
-from workhorse.daemon.slots import CRASH_BACKOFF_MAX, Recycling, Slots, crash_delay
+from workhorse.daemon.slots import CRASH_BACKOFF_MAX, Recycling, crash_delay
 from workhorse.outcome import Outcome
 from workhorse.pool.child import ChildState, InvalidTransition
 from workhorse.pool.ipc import Done, Job
@@ -273,37 +273,6 @@ def test_reconnect_retries_from_timers_until_the_broker_answers():
 
 
 # ---------------------------------------------------------------------- slots
-class Events:
-    def __init__(self) -> None:
-        self.done: list[tuple[str, str]] = []
-        self.lost: list[tuple[str, Outcome, str]] = []
-        self.cannot_boot: list[str] = []
-
-    def job_done(self, d, done: Done) -> None:
-        self.done.append((d.request.id, done.outcome))
-
-    def job_lost(self, d, outcome: Outcome, detail: str) -> None:
-        self.lost.append((d.request.id, outcome, detail))
-
-    def children_cannot_boot(self, reason: str) -> None:
-        self.cannot_boot.append(reason)
-
-
-def make_slots(clock: FakeClock, size: int = 1, recycling: Recycling | None = None,
-               max_boot_failures: int = 5):
-    os_ = FakeOS(clock)
-    loop = FakeLoop(clock)
-    events = Events()
-    accepting = [True]
-    slots = Slots(size, os_, loop, lambda *a: None, events, recycling or Recycling(),
-                  lambda: accepting[0], max_boot_failures=max_boot_failures)
-    slots.spawn_all()
-    for slot in slots.slots.values():
-        assert slot.child is not None
-        slots.on_readable(slot.child)          # Hello
-    return slots, os_, loop, events, accepting
-
-
 JOB = Job(1, "t.add", b"[]", "application/json", "utf-8", {}, {}, False)
 
 

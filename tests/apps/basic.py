@@ -73,6 +73,16 @@ def sleeper(self, seconds):
 
 
 @app.task(bind=True)
+def orphan(self, seconds):
+    """Leave a process behind in a session of its own, out of the child's process group."""
+    _record("orphan", self.request.id)
+    proc = subprocess.Popen(["sleep", str(seconds)], start_new_session=True)
+    with open(os.environ["WH_TEST_PIDFILE"], "w") as f:
+        f.write(str(proc.pid))
+    return "left behind"
+
+
+@app.task(bind=True)
 def soft_catch(self, seconds):
     try:
         time.sleep(seconds)

@@ -38,6 +38,8 @@ class OS(Protocol):
     def spawn(self, number: int, make_runtime: RuntimeFactory) -> ProcessHandle: ...
     def signal(self, pid: int, sig: int) -> None: ...
     def rss(self, pid: int) -> int | None: ...
+    def exited(self) -> tuple[int, int] | None: ...
+    def reap(self, pid: int) -> None: ...
 
 
 class PoolEvents(Protocol):
@@ -163,11 +165,29 @@ class Slots:
             self.maybe_recycle(child)
 
     def reap(self) -> None:
-        """SIGCHLD: settle the jobs of children that are gone, and replace them."""
-        for child in list(self.children()):
-            code = child.handle.exitcode()
-            if code is not None:
+        """SIGCHLD: reap every process that has exited. For a child, first kill what is left
+        of its process group (a child killed from outside could not), while its zombie
+        keeps the number from being reused; then settle its job and replace it. Anything
+        else is an orphan of something a task started, adopted by the supervisor."""
+        seen: set[int] = set()
+        while (exited := self.os.exited()) is not None:
+            pid, code = exited
+            if pid in seen:         # not reaped after all: never spin in the loop
+                log.warning("pid %d exited but could not be reaped", pid)
+                return
+            seen.add(pid)
+            child = self._child(pid)
+            if child is not None:
+                child.handle.kill_group()
+            self.os.reap(pid)
+            if child is not None:
                 self._on_exit(child, code)
+            else:
+                log.debug("reaped pid %d, not a child of the pool (an orphan of a task's "
+                          "process?): %s", pid, describe_exit(code))
+
+    def _child(self, pid: int) -> Child | None:
+        return next((child for child in self.children() if child.pid == pid), None)
 
     def _on_exit(self, child: Child, code: int) -> None:
         if not child.handle.at_eof:

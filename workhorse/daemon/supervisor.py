@@ -131,6 +131,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Run until shut down; return the process exit status."""
+        self.system.guard_descendants()
         self.signals.install()
         self.loop.add_reader(self.signals.read_fd, self._on_signals)
         # One attempt per call: transient store errors are retried from loop timers
@@ -159,6 +160,7 @@ class Supervisor:
             self.consumer.close()
             self.signals.restore()
             self.loop.close()
+            self.system.close()
         log.info("workhorse %s stopped", self.hostname)
         return self.exit_code
 

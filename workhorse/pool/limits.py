@@ -1,4 +1,5 @@
-"""Time limits, child side (the soft limit's handler) and supervisor side (the tree kill)."""
+"""Time limits, child side (the soft limit's handler) and supervisor side (the tree and
+group kills)."""
 from __future__ import annotations
 
 import contextlib
@@ -78,3 +79,10 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> list[int]:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
     return victims
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL what is left in process group ``pgid``. Call it while its leader is an
+    unreaped zombie: the zombie pins the number, so it cannot be another group's."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)

@@ -1,4 +1,11 @@
-"""Forking a child with billiard, and the real ProcessHandle."""
+"""Forking a child with billiard, and the real ProcessHandle.
+
+billiard forks the child (and names it, for the log's processName) but does not wait for
+it: each ``Process.start()`` polls, with waitpid, every Process started before, and would
+reap a child before the supervisor has killed what is left of its group. So a child is
+taken out of billiard's bookkeeping as soon as it is started, and the supervisor waits for
+its children itself (``System.exited``/``System.reap``).
+"""
 from __future__ import annotations
 
 import os
@@ -7,9 +14,11 @@ import sys
 from collections.abc import Callable
 
 import billiard
+from billiard import process as billiard_process
 
 from .ipc import FrameReader, write_frame
-from .limits import kill_tree
+from .limits import kill_group, kill_tree
+from .linux import CHILD_OOM_SCORE_ADJ, raise_oom_score_adj
 from .runtime import SUPERVISOR_SIGNALS, ChildRuntime, child_main
 
 _fork = billiard.get_context("fork")
@@ -18,11 +27,10 @@ RuntimeFactory = Callable[[int, int, int], ChildRuntime]
 
 
 class ForkedProcess:
-    """A forked child: its billiard Process and the supervisor's ends of its two pipes."""
+    """A forked child: its pid and the supervisor's ends of its two pipes."""
 
-    def __init__(self, process: billiard.Process, write_fd: int, read_fd: int) -> None:
-        self.process = process
-        self.pid: int = process.pid
+    def __init__(self, pid: int, write_fd: int, read_fd: int) -> None:
+        self.pid = pid
         self.write_fd = write_fd
         self.read_fd = read_fd
         self._reader = FrameReader(read_fd)
@@ -42,9 +50,8 @@ class ForkedProcess:
     def kill_tree(self) -> None:
         kill_tree(self.pid, signal.SIGKILL)
 
-    def exitcode(self) -> int | None:
-        """Reap the child if it has exited: its status (negative = killed by that signal)."""
-        return self.process.exitcode
+    def kill_group(self) -> None:
+        kill_group(self.pid)
 
     def close(self) -> None:
         if not self._closed:
@@ -69,7 +76,7 @@ def spawn(index: int, make_runtime: RuntimeFactory, private_fds: list[int]) -> F
     # reused by these pipes: never let the child close its own ends.
     own = {to_child_r, from_child_w}
     close_in_child = [fd for fd in (*private_fds, to_child_w, from_child_r) if fd not in own]
-    process = _fork.Process(target=child_main, args=(runtime, close_in_child),
+    process = _fork.Process(target=_child_main, args=(runtime, close_in_child),
                             name=f"child-{index}", daemon=False)
     # Whatever sits in the stdio buffers now would be written twice, once by each process.
     sys.stdout.flush()
@@ -82,8 +89,22 @@ def spawn(index: int, make_runtime: RuntimeFactory, private_fds: list[int]) -> F
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         os.close(to_child_r)
         os.close(from_child_w)
+    _leave_to_us(process)
     try:
         os.setpgid(process.pid, process.pid)   # also done by the child; whoever is first wins
     except OSError:
         pass
-    return ForkedProcess(process, to_child_w, from_child_r)
+    return ForkedProcess(process.pid, to_child_w, from_child_r)
+
+
+def _leave_to_us(process: billiard.Process) -> None:
+    """Take a started child out of billiard's hands: billiard would reap it (see above)."""
+    billiard_process._children.discard(process)
+    os.close(process.sentinel)
+
+
+def _child_main(runtime: ChildRuntime, close_fds: list[int]) -> None:
+    # The kernel's OOM killer should pick a child (its task is requeued) before the
+    # supervisor (which holds every message): raising one's own score is always allowed.
+    raise_oom_score_adj(CHILD_OOM_SCORE_ADJ)
+    child_main(runtime, close_fds)
