@@ -12,10 +12,12 @@ from tests.fakes import (
     FakeLoop,
     delivery,
     fake_app,
+    fake_settings,
     make_slots,
     message,
     retry_policy,
 )
+from workhorse.daemon.current import Current
 from workhorse.daemon.delivery import Stage
 from workhorse.daemon.holding import Holding
 from workhorse.daemon.intake import Intake
@@ -100,9 +102,13 @@ def make_settlement(clock: FakeClock, retries: int = 3):
     loop = FakeLoop(clock)
     holding = Holding(window=4)
     changes = []
-    settlement = Settlement(app, broker, loop, holding, "w@h", retry_policy(retries),
-                            lambda: changes.append(1))
+    settlement = Settlement(Current(app, fake_settings(max_scheduled=10)), broker, loop,
+                            holding, "w@h", retry_policy(retries), lambda: changes.append(1))
     return settlement, app, broker, loop, holding
+
+
+def current_of(app) -> Current:
+    return Current(app, fake_settings())
 
 
 def running(holding: Holding, d):
@@ -171,10 +177,8 @@ def test_giving_up_storing_at_shutdown_requeues_instead_of_acking():
 # ---------------------------------------------------------------------- intake
 def make_intake(clock: FakeClock, max_scheduled: int = 10):
     settlement, app, broker, loop, holding = make_settlement(clock)
-    settings = {"acks_late": True, "reject_on_worker_lost": True, "acks_on_failure": True,
-                "acks_on_timeout": True, "max_deliveries": 3, "max_scheduled": max_scheduled}
-    config = type("S", (), {**settings, "__getitem__": lambda self, k: settings[k]})()
-    intake = Intake(app, config, loop, holding, settlement, clock, clock.now, lambda: None,
+    current = Current(app, fake_settings(max_scheduled=max_scheduled))
+    intake = Intake(current, loop, holding, settlement, clock, clock.now, lambda: None,
                     lambda: True)
     return intake, app, broker, loop, holding
 
@@ -237,7 +241,7 @@ def test_past_max_scheduled_eta_messages_are_handed_back_and_fetching_pauses():
 def test_a_lost_lease_drops_a_buffered_message_but_not_a_running_one():
     clock = FakeClock()
     _, app, broker, _, holding = make_settlement(clock)
-    leases = Leases(app, broker, holding, 30.0, lambda: None)
+    leases = Leases(current_of(app), broker, holding, 30.0, lambda: None)
     waiting, active = delivery(1), running(holding, delivery(2))
     holding.buffer_last(waiting)
     broker.lost = {waiting.request.id, active.request.id}

@@ -98,9 +98,9 @@ def test_sighup_applies_the_reloaded_settings_but_keeps_those_that_need_a_restar
     supervisor, _, os_, _ = running_supervisor(concurrency=1)
     new_app = fake_app("t.add", "t.new")
     new_settings = fake_settings(concurrency=2, max_deliveries=7, broker_url="memory://other")
-    supervisor.reload = lambda: (new_settings, new_app)
+    supervisor.reloading.load = lambda: (new_settings, new_app)
     supervisor.handle_hup()
-    assert supervisor.app is new_app and supervisor.intake.app is new_app
+    assert supervisor.app is new_app and supervisor.intake.current.app is new_app
     assert supervisor.settings.max_deliveries == 7
     assert supervisor.settings.broker_url == "memory://"
     assert supervisor.slots.size == 2
@@ -113,7 +113,7 @@ def test_a_failing_reload_keeps_everything_as_it_was():
 
     def broken():
         raise ValueError("config: bad")
-    supervisor.reload = broken
+    supervisor.reloading.load = broken
     supervisor.handle_hup()
     assert (supervisor.app, supervisor.settings) == (app, settings)
     assert os_.handles[0].sent == [] and supervisor.phase is Phase.RUNNING

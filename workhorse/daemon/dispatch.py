@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kombu.message import Message
 
@@ -15,12 +15,10 @@ from ..pool.child import Child
 from ..pool.ipc import Job
 from ..pool.limits import effective_limit
 from .delivery import Delivery
+from .current import Current
 from .holding import Holding
 from .intake import Intake
 from .slots import Slots
-
-if TYPE_CHECKING:
-    from ..config import Settings
 
 log = logging.getLogger("workhorse.supervisor")
 
@@ -30,10 +28,10 @@ SAME_ID_RECHECK = 1.0
 
 
 class Dispatch:
-    def __init__(self, settings: Settings, holding: Holding, intake: Intake, slots: Slots,
+    def __init__(self, current: Current, holding: Holding, intake: Intake, slots: Slots,
                  ack: Callable[[Message], None], push: Callable[[], bool],
                  update_flow: Callable[[int], None], claim_owner: Callable[[int], str]) -> None:
-        self.settings = settings
+        self.current = current
         self.holding = holding
         self.intake = intake
         self.slots = slots
@@ -82,7 +80,7 @@ class Dispatch:
                    dict(message.delivery_info or {}), self._track_started(delivery.task),
                    delivery.queue, (message.properties or {}).get("priority"),
                    delivery.policy.acks_late, claim_owner=self.claim_owner(delivery.seq),
-                   claim_ttl=self.settings.visibility_timeout)
+                   claim_ttl=self.current.settings.visibility_timeout)
 
     def _ack_at_start(self, delivery: Delivery) -> bool:
         """At-most-once: acked before its child gets it, so an ack that fails never lets it
@@ -108,10 +106,10 @@ class Dispatch:
 
     def _track_started(self, task: Any) -> bool:
         value = getattr(task, "track_started", None)
-        return self.settings.track_started if value is None else bool(value)
+        return self.current.settings.track_started if value is None else bool(value)
 
     def _limits(self, delivery: Delivery) -> tuple[float | None, float | None]:
         """Header (which carries the call's options) > task decorator > configuration."""
-        request, task, s = delivery.request, delivery.task, self.settings
+        request, task, s = delivery.request, delivery.task, self.current.settings
         return (effective_limit(request.time_limit, task.time_limit, s.time_limit),
                 effective_limit(request.soft_time_limit, task.soft_time_limit, s.soft_time_limit))

@@ -14,11 +14,11 @@ from ..exceptions import MalformedMessage, NotRegistered
 from ..outcome import Outcome, Policy
 from ..protocol import parse_request
 from .delivery import Delivery, Stage
+from .current import Current
 from .holding import Holding
 from .settlement import Settlement
 
 if TYPE_CHECKING:
-    from ..app import App
     from ..config import Settings
     from .loop import Loop
 
@@ -42,12 +42,11 @@ def task_policy(task: Any, settings: Settings) -> Policy:
 
 
 class Intake:
-    def __init__(self, app: App, settings: Settings, loop: Loop, holding: Holding,
+    def __init__(self, current: Current, loop: Loop, holding: Holding,
                  settlement: Settlement, clock: Callable[[], float],
                  now: Callable[[], datetime], on_change: Callable[[], None],
                  accepting: Callable[[], bool]) -> None:
-        self.app = app
-        self.settings = settings
+        self.current = current
         self.loop = loop
         self.holding = holding
         self.settlement = settlement
@@ -65,10 +64,10 @@ class Intake:
         except MalformedMessage as exc:
             self.settlement.dead_letter_malformed(queue, message, str(exc))
             return
-        task = self.app.tasks.get(request.task)
+        task = self.current.app.tasks.get(request.task)
         self._seq += 1
         delivery = Delivery(self._seq, queue, message, request, task,
-                            task_policy(task, self.settings), received=self.clock())
+                            task_policy(task, self.current.settings), received=self.clock())
         if task is None:
             self.settlement.settle(delivery, Outcome.UNKNOWN_TASK,
                                    f"{NotRegistered(request.task)} (does the worker's app "
@@ -107,7 +106,7 @@ class Intake:
         if not self.accepting():
             self.settlement.requeue(delivery)
             return
-        if len(self.holding.scheduled) >= self.settings.max_scheduled:
+        if len(self.holding.scheduled) >= self.current.settings.max_scheduled:
             log.warning("%s: %d scheduled messages held already (max_scheduled); handed back "
                         "to %s, fetching paused for %.0f s", delivery.label,
                         len(self.holding.scheduled), delivery.queue, SCHEDULE_FULL_PAUSE)

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from kombu.message import Message
 
 from .delivery import Delivery, Stage
+from .current import Current
 from .holding import Holding
-
-if TYPE_CHECKING:
-    from ..app import App
 
 log = logging.getLogger("workhorse.supervisor")
 
@@ -29,9 +27,9 @@ class LeasedBroker(Protocol):
 
 
 class Leases:
-    def __init__(self, app: App, broker: LeasedBroker, holding: Holding,
+    def __init__(self, current: Current, broker: LeasedBroker, holding: Holding,
                  visibility_timeout: float, on_change: Callable[[], None]) -> None:
-        self.app = app
+        self.current = current
         self.broker = broker
         self.holding = holding
         self.visibility_timeout = visibility_timeout
@@ -52,7 +50,7 @@ class Leases:
                     self._lease_lost(delivery)
         claims = {d.claim[0]: d.claim[1] for d in self.holding.running if d.claim is not None}
         if claims:
-            for key in self.app.backend.renew_claims(claims, self.visibility_timeout):
+            for key in self.current.app.backend.renew_claims(claims, self.visibility_timeout):
                 log.warning("idempotency claim on %r lost (not renewed in time): another "
                             "delivery may start it", key)
 
@@ -63,7 +61,7 @@ class Leases:
         key, owner = delivery.claim
         delivery.claim = None
         try:
-            self.app.backend.release_claim(key, owner)
+            self.current.app.backend.release_claim(key, owner)
         except Exception as exc:  # noqa: BLE001 - it lapses on its own
             log.warning("%s: could not release idempotency claim %r (%r); it lapses in %.0f s",
                         delivery.label, key, exc, self.visibility_timeout)

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import selectors
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 Callback = Callable[[], None]
+
+log = logging.getLogger("workhorse.supervisor")
 
 
 @dataclass(order=True)
@@ -54,6 +57,21 @@ class Loop:
 
     def call_later(self, delay: float, callback: Callback) -> Timer:
         return self.call_at(self.clock() + delay, callback)
+
+    def every(self, interval: float, callback: Callback,
+              alive: Callable[[], bool] = lambda: True) -> None:
+        """Call ``callback`` every ``interval`` s for as long as ``alive()`` says so. An error
+        it raises is logged, never raised into the loop: housekeeping must not stop it."""
+        def fire() -> None:
+            if not alive():
+                return
+            try:
+                callback()
+            except Exception as exc:  # logged; the next call comes all the same
+                log.error("periodic %s failed", getattr(callback, "__name__", callback),
+                          exc_info=exc)
+            self.call_later(interval, fire)
+        self.call_later(interval, fire)
 
     def next_timeout(self, now: float) -> float | None:
         timers = self._timers

@@ -27,10 +27,10 @@ from ..outcome import Action, Decision, Outcome, Store, decide
 from ..protocol import decode_body
 from ..states import FAILURE, REVOKED
 from .delivery import Delivery
+from .current import Current
 from .holding import Holding
 
 if TYPE_CHECKING:
-    from ..app import App
     from .loop import Loop
 
 log = logging.getLogger("workhorse.supervisor")
@@ -49,9 +49,9 @@ class Broker(Protocol):
 
 
 class Settlement:
-    def __init__(self, app: App, broker: Broker, loop: Loop, holding: Holding, hostname: str,
-                 retry: RetryPolicy, on_change: Callable[[], None]) -> None:
-        self.app = app
+    def __init__(self, current: Current, broker: Broker, loop: Loop, holding: Holding,
+                 hostname: str, retry: RetryPolicy, on_change: Callable[[], None]) -> None:
+        self.current = current
         self.broker = broker
         self.loop = loop
         self.holding = holding
@@ -72,7 +72,7 @@ class Settlement:
         try:
             self._store(delivery, decision, detail)
         except Exception as exc:  # noqa: BLE001 - the store's trouble, not the loop's
-            backend, policy = self.app.backend, self.retry
+            backend, policy = self.current.app.backend, self.retry
             if (policy.always_retry and attempt < policy.max_retries
                     and backend.exception_safe_to_retry(exc)):
                 delay = policy.delay(attempt)
@@ -188,7 +188,7 @@ class Settlement:
                 "retries": request.retries, "group": request.group,
                 "parent_id": request.parent_id,
                 "delivery_info": dict(delivery.message.delivery_info or {})}
-        backend = self.app.backend
+        backend = self.current.app.backend
         if decision.store is Store.REVOKED:
             backend.mark_as_revoked(task_id, detail or "revoked", request=info)
             self._chord_part(delivery, REVOKED, TaskRevokedError(detail or "revoked"))
@@ -210,8 +210,9 @@ class Settlement:
         except MalformedMessage:
             return
         if embed.get("chord"):
-            chord_part_return(self.app, request.group, request.id, request.group_index, state,
-                              result, embed["chord"], inline_errbacks=False)
+            chord_part_return(self.current.app, request.group, request.id,
+                              request.group_index, state, result, embed["chord"],
+                              inline_errbacks=False)
 
 
 def _stored_exception(store: Store, task_name: str, detail: str | None) -> BaseException:

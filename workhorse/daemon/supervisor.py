@@ -25,13 +25,14 @@ from kombu.message import Message
 
 from ..app import result_retry_policy
 from ..backends import RetryPolicy
-from ..config import SETTINGS, Settings
+from ..config import Settings
 from ..outcome import Outcome
 from ..pool.ipc import Done
 from ..pool.runtime import ChildRuntime
 from . import systemd
 from .consumer import POLL_INTERVAL, BrokerConsumer
 from .delivery import Delivery
+from .current import Current
 from .dispatch import Dispatch
 from .exitcodes import ExitCode
 from .holding import Holding
@@ -39,6 +40,7 @@ from .intake import Intake
 from .leases import Leases
 from .loop import Loop
 from .reconnect import Reconnect
+from .reload import Load, Reload
 from .settlement import Settlement
 from .signals import SignalPipe
 from .slots import Recycling, Slots
@@ -54,10 +56,7 @@ log = logging.getLogger("workhorse.supervisor")
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD,
                    signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTTIN,
                    signal.SIGTTOU, signal.SIGTSTP)
-#: TTIN / TTOU keep the pool within these bounds (those of the concurrency setting).
-POOL_MIN, POOL_MAX = 1, 1024
 
-Reload = Callable[[], "tuple[Settings, App]"]
 #: How often the worker deletes expired results from stores that do not expire them.
 RESULT_PURGE_INTERVAL = 300.0
 #: How often idle children's memory is compared with max_memory_per_child.
@@ -74,11 +73,9 @@ class Phase(str, enum.Enum):
 
 class Supervisor:
     def __init__(self, app: App, settings: Settings, system: System | None = None,
-                 reload: Reload | None = None, consumer: BrokerConsumer | None = None) -> None:
-        self.app = app
-        #: Reads the config files and imports the task modules again (SIGHUP).
-        self.reload = reload
-        self.settings = settings
+                 reload: Load | None = None, consumer: BrokerConsumer | None = None) -> None:
+        #: The app and settings in force; a reload replaces both.
+        self.current = Current(app, settings)
         self.hostname: str = settings.hostname
         self.system = system or System()
         # What is open now belongs to the process that started us; what the supervisor
@@ -94,24 +91,34 @@ class Supervisor:
         self.consumer = consumer or BrokerConsumer(app, list(settings.queues), self.receive,
                                                    self.on_broker_lost)
         self.holding = Holding(settings.concurrency * settings.prefetch_multiplier)
-        self.settlement = Settlement(app, self.consumer, self.loop, self.holding, self.hostname,
-                                     result_retry_policy(settings), self._changed)
-        self.intake = Intake(app, settings, self.loop, self.holding, self.settlement,
+        self.settlement = Settlement(self.current, self.consumer, self.loop, self.holding,
+                                     self.hostname, result_retry_policy(settings), self._changed)
+        self.intake = Intake(self.current, self.loop, self.holding, self.settlement,
                              self.system.monotonic, self.system.now, self._changed,
                              self._accepting)
         self.slots = Slots(settings.concurrency, self.system, self.loop, self._make_runtime,
                            self, Recycling(settings.max_tasks_per_child,
                                            settings.max_memory_per_child), self._accepting,
                            max_boot_failures=settings.max_boot_failures)
-        self.leases = Leases(app, self.consumer, self.holding, settings.visibility_timeout,
-                             self._changed)
-        self.dispatch = Dispatch(settings, self.holding, self.intake, self.slots,
+        self.leases = Leases(self.current, self.consumer, self.holding,
+                             settings.visibility_timeout, self._changed)
+        self.dispatch = Dispatch(self.current, self.holding, self.intake, self.slots,
                                  self.consumer.ack, lambda: self.consumer.push,
                                  self._update_flow,
                                  lambda seq: f"{self.hostname}:{self.system.getpid()}:{seq}")
         self.reconnect = Reconnect(self.loop, self.system.monotonic, self._connect,
                                    lambda: self._accepting() and not self.consumer.connected,
                                    self._restored)
+        self.reloading = Reload(self.current, reload, self.slots, self.holding,
+                                self.settlement, self.system.monotonic, self._changed)
+
+    @property
+    def app(self) -> App:
+        return self.current.app
+
+    @property
+    def settings(self) -> Settings:
+        return self.current.settings
 
     # ------------------------------------------------------------------ running
     def _accepting(self) -> bool:
@@ -141,7 +148,7 @@ class Supervisor:
         try:
             self.consumer.connect(prefetch_count=self.holding.window, has_room=self.has_room)
             self.reconnect.connected()
-            self._log_banner()
+            _log_banner(self.current, self.holding.window)
             self.slots.spawn_all()
             self._start_timers()
             self.phase = Phase.RUNNING
@@ -181,31 +188,14 @@ class Supervisor:
         if watchdog:
             self._every(watchdog, _ping_watchdog)
 
-    def _log_banner(self) -> None:
-        s = self.settings
-        log.info("workhorse %s: %d children, prefetch window %d, queues %s",
-                 self.hostname, s.concurrency, self.holding.window, ", ".join(s.queues))
-        log.info("broker: %s", _redact(s.broker_url))
-        log.info("results: %s", _redact(s.result_backend))
-        log.info("state directory: %s", s.state_dir)
-        log.info("tasks: %s", ", ".join(sorted(self.app.tasks)) or "(none registered)")
-
     def _every(self, interval: float, function: Callable[[], None],
                generation: int | None = None) -> None:
-        """Call ``function`` every ``interval`` s (while the broker connection of
-        ``generation`` lasts, if given)."""
-        def fire() -> None:
-            if self.phase is Phase.STOPPED:
-                return
-            if generation is not None and generation != self.consumer.generation:
-                return
-            try:
-                function()
-            except Exception as exc:  # housekeeping must not stop the loop
-                log.error("periodic %s failed", getattr(function, "__name__", function),
-                          exc_info=exc)
-            self.loop.call_later(interval, fire)
-        self.loop.call_later(interval, fire)
+        """Call ``function`` every ``interval`` s until the supervisor stops (or the broker
+        connection of ``generation`` is replaced, if given)."""
+        def alive() -> bool:
+            return self.phase is not Phase.STOPPED and (
+                generation is None or generation == self.consumer.generation)
+        self.loop.every(interval, function, alive)
 
     def _start_broker_housekeeping(self) -> None:
         generation = self.consumer.generation
@@ -363,61 +353,16 @@ class Supervisor:
                  "(SIGTERM stops it)")
 
     def handle_ttin(self) -> None:
-        self._resize(self.slots.size + 1, "SIGTTIN")
+        if self.phase is Phase.RUNNING:
+            self.reloading.resize(self.slots.size + 1, "SIGTTIN")
 
     def handle_ttou(self) -> None:
-        self._resize(self.slots.size - 1, "SIGTTOU")
-
-    def _resize(self, size: int, why: str) -> None:
-        if self.phase is not Phase.RUNNING:
-            return
-        bounded = max(POOL_MIN, min(POOL_MAX, size))
-        if bounded != size:
-            log.warning("%s: the pool stays at %d children (between %d and %d)", why,
-                        self.slots.size, POOL_MIN, POOL_MAX)
-            return
-        self.slots.resize(size)
-        self.holding.window = size * self.settings.prefetch_multiplier
-        log.info("%s: pool resized to %d children, prefetch window %d", why, size,
-                 self.holding.window)
-        self._changed()
+        if self.phase is Phase.RUNNING:
+            self.reloading.resize(self.slots.size - 1, "SIGTTOU")
 
     def handle_hup(self) -> None:
-        """Reload: the config files and the task modules as they are on disk now; every
-        child is replaced by one forked after it (idle ones now, busy ones when done).
-        Nothing held is given back, re-run or waited on."""
-        if self.phase is not Phase.RUNNING:
-            return
-        if self.reload is None:
-            log.warning("SIGHUP received, but this supervisor has nothing to reload from")
-            return
-        systemd.notify(f"RELOADING=1\nMONOTONIC_USEC={int(self.system.monotonic() * 1e6)}\n"
-                       "STATUS=reloading (SIGHUP)")
-        log.info("SIGHUP: reloading the configuration and the task modules")
-        try:
-            settings, app = self.reload()
-        except Exception as exc:  # noqa: BLE001 - a bad config or module: keep running as is
-            log.error("reload failed, still running the configuration and code loaded before: "
-                      "%s", exc)
-            systemd.notify(f"READY=1\nSTATUS=reload failed ({exc}); consuming "
-                           f"{', '.join(self.settings.queues)}")
-            return
-        self._apply(keep_restart_only(self.settings, settings), app)
-        systemd.notify(f"READY=1\nSTATUS=consuming {', '.join(self.settings.queues)}")
-
-    def _apply(self, settings: Settings, app: App) -> None:
-        app.backend.retry_policy = RetryPolicy(always_retry=False)
-        self.app, self.settings = app, settings
-        self.intake.app = self.settlement.app = self.leases.app = app
-        self.intake.settings = self.dispatch.settings = settings
-        self.settlement.retry = result_retry_policy(settings)
-        self.slots.recycling = Recycling(settings.max_tasks_per_child,
-                                         settings.max_memory_per_child)
-        logging.getLogger().setLevel(settings.loglevel)
-        self.slots.renew()
-        self._resize(settings.concurrency, "reload")
-        log.info("reloaded: %d children, tasks %s", settings.concurrency,
-                 ", ".join(sorted(app.tasks)) or "(none registered)")
+        if self.phase is Phase.RUNNING:
+            self.reloading.reload()
 
     # ------------------------------------------------------------------ shutdown
     def warm_shutdown(self, why: str) -> None:
@@ -459,18 +404,14 @@ class Supervisor:
             self.phase = Phase.STOPPED
 
 
-def keep_restart_only(running: Settings, loaded: Settings) -> Settings:
-    """The settings a reload applies: ``loaded``, but those that need a restart keep their
-    running values (each change is logged)."""
-    values = loaded.as_dict()
-    for setting in SETTINGS:
-        name = setting.name
-        if not setting.reload and values[name] != running[name]:
-            log.warning("reload: %s changed to %r, which needs a restart; still %r", name,
-                        values[name], running[name])
-            values[name] = running[name]
-    return Settings(values, {s.name: loaded.source(s.name) for s in SETTINGS},
-                    loaded.config_files)
+def _log_banner(current: Current, window: int) -> None:
+    s = current.settings
+    log.info("workhorse %s: %d children, prefetch window %d, queues %s",
+             s.hostname, s.concurrency, window, ", ".join(s.queues))
+    log.info("broker: %s", _redact(s.broker_url))
+    log.info("results: %s", _redact(s.result_backend))
+    log.info("state directory: %s", s.state_dir)
+    log.info("tasks: %s", ", ".join(sorted(current.app.tasks)) or "(none registered)")
 
 
 def _ping_watchdog() -> None:
