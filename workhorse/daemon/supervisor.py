@@ -319,7 +319,7 @@ class Supervisor:
 
     def _accept(self, queue: str, message: Message) -> None:
         if self.phase is not Phase.RUNNING:
-            self._give_back(message)      # arrived after we stopped fetching: not ours
+            self._give_back(queue, message)   # arrived after we stopped fetching: not ours
             return
         try:
             request = parse_request(message.headers)
@@ -336,13 +336,17 @@ class Supervisor:
             return
         if self._expired(delivery):
             return
+        deliveries = self.consumer.count_delivery(queue, message)
+        if deliveries is None:       # replaced by a copy carrying its count (RabbitMQ)
+            return
+        delivery.deliveries = deliveries
         now = datetime.now(timezone.utc)
-        if request.deliveries >= policy.max_deliveries:
-            log.error("%s: started %d times already (max_deliveries=%d); dead-lettered",
-                      delivery.label, request.deliveries, policy.max_deliveries)
-            self._settle(delivery, Outcome.TOO_MANY_DELIVERIES,
-                         f"started {request.deliveries} times (max_deliveries="
-                         f"{policy.max_deliveries})")
+        if deliveries > policy.max_deliveries:
+            detail = (f"delivery {deliveries} of at most {policy.max_deliveries} "
+                      f"(max_deliveries): the {deliveries - 1} before it started, or were "
+                      f"held by a worker that died")
+            log.error("%s: %s; dead-lettered", delivery.label, detail)
+            self._settle(delivery, Outcome.TOO_MANY_DELIVERIES, detail)
             return
         if request.eta is not None and request.eta > now:
             self._schedule(delivery, (request.eta - now).total_seconds())
@@ -367,7 +371,7 @@ class Supervisor:
         if self.phase is not Phase.RUNNING:      # stopping: nothing new is held
             delivery.stage = Stage.SETTLED
             if not delivery.acked:
-                self._give_back(delivery.message)
+                self._give_back(delivery.queue, delivery.message)
             return
         if len(self.scheduled) >= self.settings.max_scheduled:
             log.warning("%s: %d scheduled messages held already (max_scheduled); handed back "
@@ -498,13 +502,13 @@ class Supervisor:
                                       self.hostname, acked=False)
         except Exception:  # noqa: BLE001
             log.exception("could not dead-letter a malformed message; it goes back to %s", queue)
-            self._give_back(message)
+            self._give_back(queue, message)
 
-    def _give_back(self, message: Message) -> None:
+    def _give_back(self, queue: str, message: Message) -> None:
         """Requeue, uncounted; if even that fails, the broker has it back anyway once our
         lease runs out or the connection closes."""
         try:
-            self.consumer.requeue(message)
+            self.consumer.requeue(queue, message)
         except Exception as exc:  # noqa: BLE001
             log.warning("could not give a message back (%r); the broker returns it when its "
                         "lease ends or the connection closes", exc)
@@ -560,7 +564,6 @@ class Supervisor:
             return
         delivery.stage = Stage.RUNNING
         delivery.started = True
-        delivery.deliveries = request.deliveries + 1
         hard, soft = self._limits(delivery)
         if soft:
             child.timers.append(self.loop.call_at(now + soft, lambda: self._soft_limit(child, delivery)))
@@ -637,7 +640,6 @@ class Supervisor:
         elsewhere, or the result store could not be asked. Hold it (not a delivery that
         counts) and look again when that run has ended or its claim lapsed."""
         delivery.started = False
-        delivery.deliveries = delivery.request.deliveries
         delay = self.settings.visibility_timeout / 2
         log.info("%s: its idempotency key is held by another delivery; looking again in "
                  "%.0f s", delivery.label, delay)
@@ -807,7 +809,7 @@ class Supervisor:
             if decision.action is Action.ACK and not delivery.acked:
                 self.consumer.ack(message)
             elif decision.action is Action.REQUEUE:
-                self.consumer.requeue(message)
+                self.consumer.requeue(queue, message)
             elif decision.action is Action.REQUEUE_COUNTED:
                 log.warning("%s: %s; requeued (started %d of at most %d times)", delivery.label,
                             detail, delivery.deliveries, delivery.policy.max_deliveries)
@@ -946,7 +948,7 @@ class Supervisor:
         for delivery in waiting:
             delivery.stage = Stage.SETTLED
             try:
-                self.consumer.requeue(delivery.message)
+                self.consumer.requeue(delivery.queue, delivery.message)
             except Exception:  # noqa: BLE001
                 log.exception("%s: could not requeue; the broker returns it when the "
                               "connection closes", delivery.label)
