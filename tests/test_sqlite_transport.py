@@ -156,12 +156,15 @@ def test_a_delivery_is_counted_in_the_step_that_leases_it(tmp_path):
 def test_release_uncounted_takes_back_only_its_own_lease(tmp_path):
     store = Store(tmp_path / "b.sqlite3")
     store.put("q", "x")
-    ident, token, _, _ = store.lease("q", 60) or (0, "", "", 0)
+    leased = store.lease("q", 60)
+    assert leased is not None
+    ident, token, _, _ = leased
     assert store.release([(ident, "not-ours")], uncount=True) == 0
     assert store.browse("q")[0][2] == 1
     assert store.release([(ident, token)], uncount=True) == 1
     assert store.browse("q")[0][2:] == (0, False)
-    assert store.lease("q", 60)[3] == 1    # type: ignore[index]
+    again = store.lease("q", 60)
+    assert again is not None and again[3] == 1
 
 
 def test_forgetting_a_lost_lease_takes_back_its_count_from_the_new_holder(tmp_path):
