@@ -10,7 +10,7 @@ import reprlib
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 from typing import Any
 
 from kombu.exceptions import ContentDisallowed, DecodeError
@@ -32,7 +32,7 @@ _repr.maxlevel = 3
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def format_datetime(value: datetime | None) -> str | None:
     if value is None:
         return None
     if value.tzinfo is None:
-        value = value.replace(tzinfo=timezone.utc)
+        value = value.replace(tzinfo=UTC)
     return value.isoformat()
 
 
@@ -119,7 +119,7 @@ def parse_datetime(value: Any, name: str) -> datetime | None:
         parsed = datetime.fromisoformat(value)
     except ValueError:
         raise MalformedMessage(f"header {name!r} is not an ISO-8601 date: {value!r}") from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 def _optional_number(value: Any, what: str) -> float | None:

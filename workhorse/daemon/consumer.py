@@ -14,10 +14,9 @@ which on Redis reconnects by itself once the server answers again.
 from __future__ import annotations
 
 import logging
-import socket
 from time import monotonic
 from collections.abc import Callable, Mapping
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from functools import partial
 from typing import Any
 
@@ -403,7 +402,7 @@ class BrokerConsumer:
         headers = {
             DEAD_REASON_HEADER: reason,
             DEAD_TASK_HEADER: task_id,
-            DEAD_AT_HEADER: datetime.now(timezone.utc).isoformat(),
+            DEAD_AT_HEADER: datetime.now(UTC).isoformat(),
             DEAD_QUEUE_HEADER: queue,
             DEAD_WORKER_HEADER: worker,
         }
@@ -441,7 +440,7 @@ def _drain(connection: Connection, max_messages: int = 1000) -> None:
     for _ in range(max_messages):
         try:
             connection.drain_events(timeout=0)
-        except socket.timeout:
+        except TimeoutError:
             return
 
 
