@@ -10,9 +10,10 @@ import pytest
 
 from workhorse.daemon.consumer import DEAD_REASON_HEADER, DEAD_TASK_HEADER
 from workhorse.exceptions import TooManyDeliveries
+from workhorse.protocol import DELIVERIES_HEADER
 
 from .conftest import wait_until
-from .test_delivery import dead_letters, failure, starts
+from .test_delivery import dead_letters, failure, holds, starts
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -70,3 +71,43 @@ def test_a_message_requeued_by_several_deploys_in_a_row_still_runs_once(
     assert starts(tmp_path, result.id) == 1
     dead_letters(broker, 0)
 
+
+
+@pytest.mark.parametrize("broker", ["amqp"], indirect=True)
+def test_a_rabbitmq_redelivery_is_replaced_by_a_copy_carrying_the_loss_never_duplicated(
+        broker, client):
+    """The consumer's connection is lost while it holds a message: RabbitMQ takes it back,
+    so handing it back through the new connection would duplicate it. It comes back marked
+    redelivered and is replaced by a copy carrying the loss, which is what runs."""
+    from tests.apps.basic import record
+    from workhorse.daemon.consumer import BrokerConsumer, BrokerUnavailable
+    received: list = []
+    consumer = BrokerConsumer(client, [broker.queue], lambda q, m: received.append(m),
+                              lambda exc: None)
+
+    def receive():
+        wait_until(lambda: consumer.poll() or received, 10, "a message")
+        return received.pop(0)
+    try:
+        record.delay()
+        consumer.connect(4, lambda: True)
+        held = receive()
+        assert consumer.count_delivery(broker.queue, held) == 1
+        consumer._lost(ConnectionError("lost in the test"))     # as a failed read reports it
+        consumer.connect(4, lambda: True)
+        with pytest.raises(BrokerUnavailable):
+            consumer.requeue(broker.queue, held)
+        again = receive()
+        assert again.delivery_info["redelivered"]
+        assert consumer.count_delivery(broker.queue, again) is None
+        copy = receive()
+        assert copy.headers[DELIVERIES_HEADER] == 1 and not copy.delivery_info["redelivered"]
+        assert consumer.count_delivery(broker.queue, copy) == 2
+        consumer.requeue(broker.queue, copy)                    # a clean hand-back
+        back = receive()
+        assert back.headers[DELIVERIES_HEADER] == 1 and not back.delivery_info["redelivered"]
+        consumer.ack(back)
+        holds(lambda: consumer.poll() or not received, 0.5, "no other copy")
+    finally:
+        consumer.close()
+    assert broker.queue_size() == 0

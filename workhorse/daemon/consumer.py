@@ -386,14 +386,24 @@ class BrokerConsumer:
     def hand_back(self, queue: str, message: Message) -> None:
         """A fresh copy to the end of its queue, then ack: not a delivery that counts (the
         copy carries the deliveries before this one that did)."""
+        self._still_held(message)
         self.republish(queue, message, {DELIVERIES_HEADER: self._earlier(message)})
         self.ack(message)
 
     def requeue_counted(self, queue: str, message: Message, deliveries: int) -> None:
         """Back to the queue as a delivery that counts: a copy carrying ``deliveries`` (its
         delivery count, this delivery included), then ack."""
+        self._still_held(message)
         self.republish(queue, message, {DELIVERIES_HEADER: deliveries})
         self.ack(message)
+
+    def _still_held(self, message: Message) -> None:
+        """Before replacing an unacked message by a copy: RabbitMQ took back what a lost
+        connection held (and delivers it again), so a copy published now would be a
+        duplicate. (SQLite and Redis keep our leases across a reconnect.)"""
+        if self.push and message.channel not in self._channels:
+            raise BrokerUnavailable("its RabbitMQ connection was lost: the broker has taken "
+                                    "it back")
 
     def dead_letter(self, queue: str, message: Message, reason: str, task_id: str | None,
                     worker: str, *, acked: bool) -> None:
@@ -406,6 +416,8 @@ class BrokerConsumer:
             DEAD_QUEUE_HEADER: queue,
             DEAD_WORKER_HEADER: worker,
         }
+        if not acked:
+            self._still_held(message)
         target = self.dead_letter_targets.get(queue)
         if target is not None:
             routing_key = target.routing_key or (message.delivery_info or {}).get(
