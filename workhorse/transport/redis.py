@@ -32,7 +32,8 @@ messages for long (Celery's well-known duplicates):
    A clean hand-back by a live worker (``reject(requeue=True)``) takes the count back in
    the transaction that restores the message, and so does ``Channel.forget`` for a lease
    lost by a live worker; kombu's sweep, or a channel closed holding messages, leaves
-   them counted. Acking (or dead-lettering) removes the count with the lease.
+   them counted. Acking (or dead-lettering) removes the count with the lease; a counted
+   message deleted from its list otherwise (a purge) leaves its entry behind.
 
 The keys and the message layout are kombu's own: Celery producers feed these workers, and
 kombu's sweep (run by every consumer) restores what a dead worker held. Celery *workers*
