@@ -154,7 +154,7 @@ class FakeBroker:
     def ack(self, message: Any) -> None:
         self._do("ack", message)
 
-    def requeue(self, message: Any) -> None:
+    def requeue(self, queue: str, message: Any) -> None:
         self._do("requeue", message)
 
     def requeue_counted(self, queue: str, message: Any, deliveries: int) -> None:
@@ -169,6 +169,9 @@ class FakeBroker:
 
     def forget(self, message: Any) -> None:
         self._do("forget", message)
+
+    def count_delivery(self, queue: str, message: Any) -> int | None:
+        return 1
 
     def renew(self, messages: list[Any]) -> list[Any]:
         return [m for m in messages if m.headers["id"] in self.lost]

@@ -171,3 +171,82 @@ def test_renewal_moves_only_existing_leases(redis_queue):
         message.ack()
         assert message.channel.renew([tag]) == [tag]
         assert server.zscore("unacked_index", tag) is None
+
+
+# ---------------------------------------------------------------- Redis: the delivery count
+def _take(conn: Connection, queue: str):
+    """Take one message the way the worker does (Channel.take, one Lua step)."""
+    from kombu import Consumer
+    channel = conn.channel()
+    got: list = []
+    consumer = Consumer(channel, [ensure_queue(conn, queue)], on_message=got.append,
+                        no_ack=False)
+    consumer.consume()
+    wait_until(lambda: channel.take() and got, 5, "a message to be taken")
+    return got[0]
+
+
+def _count(server: redis.Redis, tag: str) -> int | None:
+    value = server.hget("delivery_counts", tag)
+    return None if value is None else int(value)
+
+
+def test_a_take_counts_the_delivery_in_the_same_step_and_an_ack_removes_it(redis_queue):
+    _publish(REDIS_URL, redis_queue, REDIS_TRANSPORT)
+    server = redis.Redis.from_url(REDIS_URL)
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        message = _take(conn, redis_queue)
+        tag = message.delivery_tag
+        assert message.delivery_info["delivery_count"] == 1 and _count(server, tag) == 1
+        assert message.payload == {"n": 1}
+        message.ack()
+        assert _count(server, tag) is None
+
+
+def test_a_clean_requeue_takes_back_the_count_and_kombus_sweep_keeps_it(redis_queue):
+    """reject(requeue=True) by a live worker is not a delivery that counts; a message the
+    sweep puts back (its worker died) stays counted, under the tag kombu keeps."""
+    _publish(REDIS_URL, redis_queue, REDIS_TRANSPORT)
+    server = redis.Redis.from_url(REDIS_URL)
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT,
+                    transport_options={"visibility_timeout": 1}) as conn:
+        first = _take(conn, redis_queue)
+        tag = first.delivery_tag
+        first.requeue()
+        assert _count(server, tag) == 0
+        second = _take(conn, redis_queue)
+        assert second.delivery_tag == tag and second.delivery_info["delivery_count"] == 1
+        server.zadd("unacked_index", {tag: time.time() - 60})     # as if its worker died
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT,
+                    transport_options={"visibility_timeout": 1}) as conn:
+        conn.channel().qos.restore_visible(num=None, interval=1)
+        assert _count(server, tag) == 1
+        third = _take(conn, redis_queue)
+        assert third.delivery_tag == tag and third.delivery_info["delivery_count"] == 2
+        third.ack()
+        assert _count(server, tag) is None
+
+
+def test_forgetting_a_lost_lease_takes_back_its_count_from_the_new_holder(redis_queue):
+    _publish(REDIS_URL, redis_queue, REDIS_TRANSPORT)
+    server = redis.Redis.from_url(REDIS_URL)
+    options = {"visibility_timeout": 1}
+    a_conn = Connection(REDIS_URL, transport=REDIS_TRANSPORT, transport_options=options)
+    b_conn = Connection(REDIS_URL, transport=REDIS_TRANSPORT, transport_options=options)
+    try:
+        lost = _take(a_conn, redis_queue)
+        tag = lost.delivery_tag
+        server.zadd("unacked_index", {tag: time.time() - 60})     # A stalled past its lease
+        b_conn.channel().qos.restore_visible(num=None, interval=1)
+        held = _take(b_conn, redis_queue)
+        assert held.delivery_info["delivery_count"] == 2
+        assert lost.channel.renew([tag]) == [tag]
+        lost.channel.forget(tag)
+        assert _count(server, tag) == 1
+        assert server.zscore("unacked_index", tag) is not None    # B's lease untouched
+        assert held.channel.renew([tag]) == []
+        held.ack()
+        assert _count(server, tag) is None
+    finally:
+        a_conn.release()
+        b_conn.release()

@@ -1,11 +1,13 @@
 """RabbitMQ specifics: queues an operator declared with their own arguments are used as
-they are, and a queue's own dead-letter exchange receives workhorse's dead letters."""
+they are, a queue's own dead-letter exchange receives workhorse's dead letters, and what
+the server's redelivery marks say about lost deliveries."""
 from __future__ import annotations
 
 import pytest
-from kombu import Exchange, Queue
+from kombu import Exchange, Producer, Queue
 
 from workhorse.daemon.consumer import DEAD_REASON_HEADER, DEAD_TASK_HEADER
+from workhorse.daemon.counting import RabbitMQ, earlier_deliveries, parse_version
 from workhorse.exceptions import NotRegistered
 from workhorse.queues import parse_refusal, rabbitmq_dead_letter_target
 
@@ -80,3 +82,34 @@ def test_a_predeclared_queue_is_consumed_and_dead_letters_to_its_exchange(
     assert headers[DEAD_TASK_HEADER] == ghost.id
     assert headers[DEAD_REASON_HEADER].startswith("unknown_task")
     assert broker.queue_size(broker.queue + ".dead") == 0
+
+
+@pytest.mark.parametrize("queue_type, counted", [("quorum", 2), ("classic", 1)])
+def test_two_lost_deliveries_count_as_the_servers_marks_allow(tmp_path, queue_type, counted):
+    """What counting.RabbitMQ relies on, checked against the server the tests run on: two
+    consumers take the message and lose their connection without settling it. On 3.x a
+    quorum queue's x-delivery-count says both; a classic queue's redelivered flag only
+    "at least one" (the worker then replaces the message by a copy carrying the count)."""
+    broker = make_broker("amqp", tmp_path)
+    try:
+        with broker.connection() as conn:
+            conn.default_channel.queue_declare(broker.queue, durable=True, auto_delete=False,
+                                               arguments={"x-queue-type": queue_type})
+            server = RabbitMQ(parse_version(conn.connection.server_properties.get("version")))
+            Producer(conn).publish({"n": 1}, exchange="", routing_key=broker.queue)
+        if queue_type == "quorum" and not server.counts_returns:
+            pytest.skip(f"RabbitMQ {server.version}: x-delivery-count is not relied on")
+
+        def take(conn):
+            queue = Queue(broker.queue, no_declare=True)(conn.default_channel)
+            return wait_until(lambda: queue.get(no_ack=False), 10, "the message")
+        for _ in range(2):
+            with broker.connection() as conn:
+                take(conn)                    # and the connection closes: a loss
+        with broker.connection() as conn:
+            message = take(conn)
+            assert message.delivery_info["redelivered"]
+            assert earlier_deliveries(message.headers, message.delivery_info, server) == counted
+            message.ack()
+    finally:
+        broker.cleanup()

@@ -49,7 +49,7 @@ def test_ack_deletes_the_row(url, tmp_path):
         assert Store(tmp_path / "broker.sqlite3").browse("q") == []
 
 
-def test_requeue_puts_it_first_in_line_again(url):
+def test_requeue_puts_it_first_in_line_again_uncounted(url):
     with conn(url) as c:
         q = c.SimpleQueue("q")
         for n in range(3):
@@ -58,8 +58,10 @@ def test_requeue_puts_it_first_in_line_again(url):
         first.requeue()
         again = q.get(timeout=1)
         assert again.payload == 0
-        assert again.delivery_info["delivery_count"] == 2 and again.headers["redelivered"]
         assert again.delivery_tag != first.delivery_tag
+        # A clean hand-back by a live consumer is not a delivery that counts.
+        assert again.delivery_info["delivery_count"] == 1
+        assert "redelivered" not in again.delivery_info
 
 
 def test_reject_drops(url):
@@ -127,7 +129,7 @@ def test_renew_extends_a_lease_and_reports_the_lost_ones(tmp_path):
     assert store.lease("q", 60) is None
 
 
-def test_closing_the_channel_releases_its_leases_at_once(url):
+def test_closing_the_channel_releases_its_leases_at_once_still_counted(url):
     with conn(url) as c:
         q = c.SimpleQueue("q")
         q.put("held")
@@ -135,7 +137,65 @@ def test_closing_the_channel_releases_its_leases_at_once(url):
     with conn(url) as c:
         message = c.SimpleQueue("q").get(timeout=0.5)
         assert message.payload == "held"
+        assert message.delivery_info["delivery_count"] == 2     # not settled: it counts
         message.ack()
+
+
+def test_a_delivery_is_counted_in_the_step_that_leases_it(tmp_path):
+    """A consumer killed right after the lease has counted already: nothing is left to
+    write by whoever dies."""
+    store = Store(tmp_path / "b.sqlite3")
+    store.put("q", "x")
+    for expected in (1, 2, 3):
+        leased = store.lease("q", visibility_timeout=0.05)
+        assert leased is not None and leased[3] == expected
+        assert store.browse("q")[0][2] == expected
+        wait_until(lambda: store.size("q") == 1, 5, "the lease to expire")
+
+
+def test_release_uncounted_takes_back_only_its_own_lease(tmp_path):
+    store = Store(tmp_path / "b.sqlite3")
+    store.put("q", "x")
+    leased = store.lease("q", 60)
+    assert leased is not None
+    ident, token, _, _ = leased
+    assert store.release([(ident, "not-ours")], uncount=True) == 0
+    assert store.browse("q")[0][2] == 1
+    assert store.release([(ident, token)], uncount=True) == 1
+    assert store.browse("q")[0][2:] == (0, False)
+    again = store.lease("q", 60)
+    assert again is not None and again[3] == 1
+
+
+def test_forgetting_a_lost_lease_takes_back_its_count_from_the_new_holder(tmp_path):
+    """A live consumer's lease ran out (renewals failed) and another took the message:
+    the lost delivery did not end in a loss, so it stops counting."""
+    store = Store(tmp_path / "b.sqlite3")
+    store.put("q", "x")
+    old = store.lease("q", visibility_timeout=0.05)
+    assert old is not None
+    wait_until(lambda: store.size("q") == 1, 5, "the lease to expire")
+    new = store.lease("q", visibility_timeout=60)
+    assert new is not None and new[3] == 2
+    assert store.forget((new[0], new[1])) is False      # a lease still held is left alone
+    assert store.forget((old[0], old[1])) is True
+    assert store.browse("q")[0][2:] == (1, True)        # still leased to the new holder
+    assert store.ack((new[0], new[1])) is True
+
+
+def test_forget_through_kombu_drops_the_message_and_uncounts_it(url, tmp_path):
+    store = Store(tmp_path / "broker.sqlite3")
+    with conn(url, vt=0.05) as a, conn(url) as b:
+        a.SimpleQueue("q").put("x")
+        lost = a.SimpleQueue("q").get(timeout=1)
+        wait_until(lambda: store.size("q") == 1, 5, "the lease to expire")
+        taken = b.SimpleQueue("q").get(timeout=1)
+        assert taken.delivery_info["delivery_count"] == 2
+        assert lost.channel.renew([lost.delivery_tag]) == [lost.delivery_tag]
+        lost.channel.forget(lost.delivery_tag)
+        assert store.browse("q")[0][2] == 1
+        taken.requeue()                       # b's clean hand-back: uncounted too
+    assert store.browse("q")[0][2:] == (0, False)   # closing a released nothing more
 
 
 def test_priority_then_fifo(url):

@@ -175,11 +175,11 @@ def test_giving_up_storing_at_shutdown_requeues_instead_of_acking():
 
 
 # ---------------------------------------------------------------------- intake
-def make_intake(clock: FakeClock, max_scheduled: int = 10):
+def make_intake(clock: FakeClock, max_scheduled: int = 10, count: int | None = 1):
     settlement, app, broker, loop, holding = make_settlement(clock)
     current = Current(app, fake_settings(max_scheduled=max_scheduled))
     intake = Intake(current, loop, holding, settlement, clock, clock.now, lambda: None,
-                    lambda: True)
+                    lambda: True, lambda queue, message: count)
     return intake, app, broker, loop, holding
 
 
@@ -209,6 +209,31 @@ def test_an_expired_message_is_revoked_and_acked_without_running():
     intake.accept("q", m)
     assert app.backend.stored == [("REVOKED", m.headers["id"], "")]
     assert broker.calls == [("ack", m.headers["id"])]
+
+
+def test_a_delivery_past_max_deliveries_is_dead_lettered_before_it_runs():
+    clock = FakeClock()
+    intake, app, broker, _, holding = make_intake(clock, count=4)      # max_deliveries: 3
+    m = message()
+    intake.accept("q", m)
+    assert broker.calls == [("dead_letter", m.headers["id"])]
+    assert app.backend.stored == [("FAILURE", m.headers["id"], "TooManyDeliveries")]
+    assert not list(holding.all())
+
+
+def test_the_last_allowed_delivery_runs_and_carries_its_count():
+    clock = FakeClock()
+    intake, _, broker, _, holding = make_intake(clock, count=3)
+    intake.accept("q", message())
+    (buffered,) = holding.buffer
+    assert buffered.deliveries == 3 and broker.calls == []
+
+
+def test_a_message_the_broker_replaced_by_a_counted_copy_is_left_alone():
+    clock = FakeClock()
+    intake, _, broker, _, holding = make_intake(clock, count=None)
+    intake.accept("q", message())
+    assert broker.calls == [] and not list(holding.all())
 
 
 def test_an_eta_message_waits_scheduled_then_goes_first_in_line():

@@ -68,8 +68,8 @@ def decide(outcome: Outcome, policy: Policy, *, started: bool, deliveries: int =
     """How to settle ``outcome``.
 
     ``started``: the message was handed to a child (with early ack it is then already acked).
-    ``deliveries``: starts counted so far, including this one when ``started``; a counted
-    requeue that would allow more than ``max_deliveries`` starts dead-letters instead.
+    ``deliveries``: the message's delivery count, this delivery included; a counted
+    requeue that would allow more than ``max_deliveries`` deliveries dead-letters instead.
     """
     if outcome is Outcome.MALFORMED:
         # Even when acked at start, a copy goes to the dead-letter queue: never a silent loss.

@@ -18,7 +18,8 @@ from kombu.serialization import loads
 
 from .exceptions import MalformedMessage
 
-#: How many times a message has been started, carried by messages workhorse re-publishes.
+#: The delivery count a copy workhorse re-publishes carries (deliveries of the message
+#: before the copy that may have ended in a loss: SEMANTICS.md "delivery count").
 DELIVERIES_HEADER = "x-workhorse-deliveries"
 #: The content types a worker accepts; pickle is refused because it runs code on load.
 ACCEPT_CONTENT = frozenset({"application/json"})
@@ -189,6 +190,15 @@ def parse_request(headers: Mapping[str, Any] | None) -> Request:
         deliveries=deliveries,
         headers=headers,
     )
+
+
+def carried_deliveries(headers: Mapping[str, Any] | None) -> int:
+    """The delivery count a re-published copy carries; 0 when it carries none, or one that
+    is not a count (``parse_request`` says what is wrong with it)."""
+    value = (headers or {}).get(DELIVERIES_HEADER)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return 0
+    return value
 
 
 def decode_body(

@@ -62,6 +62,14 @@ def die(self, how="sigkill"):
 
 
 @app.task(bind=True)
+def kill_supervisor(self):
+    """SIGKILL the worker's supervisor (this child's parent), as the OOM killer would."""
+    _record("kill_supervisor", self.request.id)
+    os.kill(os.getppid(), signal.SIGKILL)
+    time.sleep(60)      # the child dies with its supervisor (PR_SET_PDEATHSIG)
+
+
+@app.task(bind=True)
 def sleeper(self, seconds):
     """Sleep in a grandchild process: the hard limit must kill it too."""
     _record("sleeper", self.request.id)

@@ -170,7 +170,9 @@ SETTINGS: tuple[Setting, ...] = (
             "With acks_late, acknowledge a task killed by its hard time limit; false: requeue "
             "it (counted)."),
     Setting("max_deliveries", "tasks", t.integer(1, 1000), 3,
-            "A message is started at most this many times; past that it is dead-lettered."),
+            "A message is delivered at most this many times, counting each delivery that "
+            "started or was held by a worker that died (a supervisor killed outright too); "
+            "past that it is dead-lettered before running."),
     Setting("soft_time_limit", "tasks", t.seconds(positive=True).or_none(), None,
             "Seconds after which SoftTimeLimitExceeded is raised inside the task."),
     Setting("time_limit", "tasks", t.seconds(positive=True).or_none(), None,

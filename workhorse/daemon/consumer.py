@@ -28,6 +28,7 @@ from ..app import BROKER_TIMEOUT, App
 from ..queues import DeadLetterTarget, ensure_queue, rabbitmq_dead_letter_target
 from ..protocol import DELIVERIES_HEADER
 from ..transport.redis import Channel as RedisChannel, ListWaiter
+from .counting import BROKER_HEADERS, RabbitMQ, earlier_deliveries, parse_version
 
 log = logging.getLogger("workhorse.consumer")
 
@@ -84,6 +85,9 @@ class BrokerConsumer:
         self.credit = 0
         self.dead_letter_targets: dict[str, DeadLetterTarget | None] = {}
         self._queues_ready: set[str] = set()
+        #: The RabbitMQ server's version, which says what its delivery marks mean (None:
+        #: not RabbitMQ; SQLite and Redis count deliveries themselves).
+        self.rabbitmq: RabbitMQ | None = None
 
     # -- lifecycle
     def connect(self, prefetch_count: int, has_room: Callable[[], bool], *,
@@ -127,6 +131,7 @@ class BrokerConsumer:
         self._channels = {channel, producer.channel}
         self.leased = hasattr(channel, "renew")
         self.push = driver.push
+        self.rabbitmq = _rabbitmq(connection) if driver.push else None
         self._error_types = self._errors()
         self.consuming = True
         self.paused = False
@@ -291,14 +296,68 @@ class BrokerConsumer:
         self._settling(message.channel, message.ack)
 
     def forget(self, message: Message) -> None:
-        """Drop a message whose lease was lost from its channel's bookkeeping. It is an ack,
-        which for a lost lease touches nothing at the broker: SQLite and Redis settle
-        only while the lease is still ours."""
-        self._settling(message.channel, message.ack)
+        """Drop a message whose lease was lost (``renew`` said so) from its channel's
+        bookkeeping. Nothing is settled at the broker, where the message is waiting or held
+        by another worker; only the delivery count our take added is taken back (SQLite,
+        Redis): this delivery did not end in a loss."""
+        forget = getattr(message.channel, "forget", None)
+        if forget is None:
+            self._settling(message.channel, message.ack)
+        else:
+            self._settling(message.channel, partial(forget, message.delivery_tag))
 
-    def requeue(self, message: Message) -> None:
-        """Back to the queue, unchanged: not a delivery that counts."""
-        self._settling(message.channel, partial(message.reject, requeue=True))
+    # -- the delivery count
+    def count_delivery(self, queue: str, message: Message) -> int | None:
+        """Count this delivery: return the message's delivery count, this delivery
+        included (SEMANTICS.md "delivery count").
+
+        SQLite and Redis counted it when the message was taken. RabbitMQ only marks a
+        redelivery, with a flag that cannot add up repeated losses: a redelivered message
+        is replaced here by a copy carrying its count (published, confirmed, to the end of
+        ``queue``) and acked. None: that happened, and the copy is the one to run, or it
+        could not happen now and the broker has the message back, still marked.
+        """
+        earlier = self._earlier(message)
+        rabbitmq = self.rabbitmq
+        if rabbitmq is None or not rabbitmq.losses(message.delivery_info or {},
+                                                   message.headers or {}):
+            return earlier + 1
+        headers = message.headers or {}
+        label = f"{headers.get('task')}[{headers.get('id')}]"
+        try:
+            self.hand_back(queue, message)
+        except Exception as exc:  # noqa: BLE001 - the broker keeps it, marked redelivered
+            log.warning("%s: redelivered, but no copy carrying its delivery count (%d) could "
+                        "be published (%r); the broker delivers it again", label, earlier, exc)
+            if self.connected and not self.is_connection_error(exc):
+                self._return_marked(message)
+            return None
+        log.info("%s: redelivered by RabbitMQ after a loss; replaced by a copy carrying its "
+                 "delivery count (%d) at the end of %s", label, earlier, queue)
+        return None
+
+    def _return_marked(self, message: Message) -> None:
+        """Give a redelivered message back through the broker, which keeps it marked (the
+        loss still counts next time)."""
+        try:
+            self._settling(message.channel, partial(message.reject, requeue=True))
+        except Exception as exc:  # noqa: BLE001 - it returns when the connection closes
+            log.debug("could not return a redelivered message: %r", exc)
+
+    def _earlier(self, message: Message) -> int:
+        """Deliveries of ``message`` before this one that count."""
+        return earlier_deliveries(message.headers, message.delivery_info, self.rabbitmq)
+
+    def requeue(self, queue: str, message: Message) -> None:
+        """Back to its queue, not a delivery that counts: a clean hand-back by a live
+        worker. SQLite and Redis put it back in place and take back the count its take
+        added, in one step. RabbitMQ's own requeue would mark it redelivered, which the
+        next worker reads as a loss: there a copy carrying its count goes to the end of
+        ``queue`` instead, and the original is acked."""
+        if self.rabbitmq is not None:
+            self.hand_back(queue, message)
+        else:
+            self._settling(message.channel, partial(message.reject, requeue=True))
 
     def republish(self, queue: str, message: Message, headers: Mapping[str, Any], *,
                   exchange: str = "") -> None:
@@ -307,7 +366,7 @@ class BrokerConsumer:
         producer, connection = self.producer, self.connection
         if producer is None or connection is None:
             raise BrokerUnavailable("not connected to the broker (reconnecting)")
-        merged = dict(message.headers or {})
+        merged = {k: v for k, v in (message.headers or {}).items() if k not in BROKER_HEADERS}
         merged.update(headers)
         properties = {k: message.properties[k] for k in _KEPT_PROPERTIES
                       if message.properties.get(k) is not None}
@@ -325,15 +384,26 @@ class BrokerConsumer:
         self._settling(producer.channel, publish)
 
     def hand_back(self, queue: str, message: Message) -> None:
-        """A fresh copy to the end of its queue, then ack: not a delivery that counts (its
-        headers, delivery count included, are kept)."""
-        self.republish(queue, message, {})
+        """A fresh copy to the end of its queue, then ack: not a delivery that counts (the
+        copy carries the deliveries before this one that did)."""
+        self._still_held(message)
+        self.republish(queue, message, {DELIVERIES_HEADER: self._earlier(message)})
         self.ack(message)
 
     def requeue_counted(self, queue: str, message: Message, deliveries: int) -> None:
-        """Back to the queue as a delivery that counts: a copy carrying the count, then ack."""
+        """Back to the queue as a delivery that counts: a copy carrying ``deliveries`` (its
+        delivery count, this delivery included), then ack."""
+        self._still_held(message)
         self.republish(queue, message, {DELIVERIES_HEADER: deliveries})
         self.ack(message)
+
+    def _still_held(self, message: Message) -> None:
+        """Before replacing an unacked message by a copy: RabbitMQ took back what a lost
+        connection held (and delivers it again), so a copy published now would be a
+        duplicate. (SQLite and Redis keep our leases across a reconnect.)"""
+        if self.push and message.channel not in self._channels:
+            raise BrokerUnavailable("its RabbitMQ connection was lost: the broker has taken "
+                                    "it back")
 
     def dead_letter(self, queue: str, message: Message, reason: str, task_id: str | None,
                     worker: str, *, acked: bool) -> None:
@@ -346,6 +416,8 @@ class BrokerConsumer:
             DEAD_QUEUE_HEADER: queue,
             DEAD_WORKER_HEADER: worker,
         }
+        if not acked:
+            self._still_held(message)
         target = self.dead_letter_targets.get(queue)
         if target is not None:
             routing_key = target.routing_key or (message.delivery_info or {}).get(
@@ -355,6 +427,16 @@ class BrokerConsumer:
             self.republish(dead_letter_queue(queue), message, headers)
         if not acked:
             self.ack(message)
+
+
+def _rabbitmq(connection: Connection) -> RabbitMQ:
+    """The server's version decides what its delivery marks mean (see counting.RabbitMQ)."""
+    properties = getattr(connection.connection, "server_properties", None) or {}
+    server = RabbitMQ(parse_version(properties.get("version")))
+    log.info("RabbitMQ %s: delivery counts from the redelivered flag%s",
+             ".".join(map(str, server.version or ())) or "of unknown version",
+             " and quorum queues' x-delivery-count" if server.counts_returns else "")
+    return server
 
 
 def _discard(connection: Connection) -> None:

@@ -16,6 +16,7 @@ from kombu.message import Message
 
 from ..protocol import DELIVERIES_HEADER
 from ..queues import ensure_queue
+from .counting import BROKER_HEADERS
 from .consumer import (
     DEAD_AT_HEADER,
     DEAD_QUEUE_HEADER,
@@ -95,8 +96,8 @@ def requeue_dead(connection: Connection, dead_queue: str, task_ids: Iterable[str
             ensure_queue(connection, target)
             ready.add(target)
         headers = {k: v for k, v in (message.headers or {}).items()
-                   if k not in DEAD_HEADERS and k != "redelivered"}
-        headers[DELIVERIES_HEADER] = 0
+                   if k not in DEAD_HEADERS and k not in BROKER_HEADERS and k != "redelivered"}
+        headers[DELIVERIES_HEADER] = 0      # an operator's replay: a fresh delivery count
         properties = {k: message.properties[k] for k in ("correlation_id", "reply_to", "priority")
                       if message.properties.get(k) is not None}
         producer.publish(message.body, exchange="", routing_key=target, headers=headers,

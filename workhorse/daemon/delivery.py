@@ -32,7 +32,7 @@ class Delivery:
     stage: Stage = Stage.NEW
     acked: bool = False        # acked at start (acks_late = false)
     started: bool = False
-    deliveries: int = 0        # starts counted, including this one once started
+    deliveries: int = 0        # its delivery count, this delivery included (when taken)
     timer: Any = field(default=None, repr=False)   # its ETA (or store retry) timer
     #: An idempotent task's claim (key, owner) while its child runs it.
     claim: tuple[str, str] | None = None

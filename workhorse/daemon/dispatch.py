@@ -71,7 +71,6 @@ class Dispatch:
             return
         self.holding.start(delivery)
         delivery.started = True
-        delivery.deliveries = delivery.request.deliveries + 1
 
     def _job(self, delivery: Delivery) -> Job:
         request, message = delivery.request, delivery.message

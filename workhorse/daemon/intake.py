@@ -45,7 +45,8 @@ class Intake:
     def __init__(self, current: Current, loop: Loop, holding: Holding,
                  settlement: Settlement, clock: Callable[[], float],
                  now: Callable[[], datetime], on_change: Callable[[], None],
-                 accepting: Callable[[], bool]) -> None:
+                 accepting: Callable[[], bool],
+                 count: Callable[[str, Message], int | None]) -> None:
         self.current = current
         self.loop = loop
         self.holding = holding
@@ -55,6 +56,9 @@ class Intake:
         self.on_change = on_change
         #: Is the worker taking work? Stopping, nothing new is held.
         self.accepting = accepting
+        #: Counts this delivery with the broker: the delivery count, this one included;
+        #: None if the message was replaced by a copy carrying its count (RabbitMQ).
+        self.count = count
         self._seq = 0
 
     def accept(self, queue: str, message: Message) -> None:
@@ -75,13 +79,17 @@ class Intake:
             return
         if self.expired(delivery):
             return
+        deliveries = self.count(queue, message)
+        if deliveries is None:
+            return
+        delivery.deliveries = deliveries
         policy = delivery.policy
-        if request.deliveries >= policy.max_deliveries:
-            log.error("%s: started %d times already (max_deliveries=%d); dead-lettered",
-                      delivery.label, request.deliveries, policy.max_deliveries)
-            self.settlement.settle(delivery, Outcome.TOO_MANY_DELIVERIES,
-                                   f"started {request.deliveries} times (max_deliveries="
-                                   f"{policy.max_deliveries})")
+        if deliveries > policy.max_deliveries:
+            detail = (f"delivery {deliveries} of at most {policy.max_deliveries} "
+                      f"(max_deliveries): the {deliveries - 1} before it started, or were "
+                      f"held by a worker that died")
+            log.error("%s: %s; dead-lettered", delivery.label, detail)
+            self.settlement.settle(delivery, Outcome.TOO_MANY_DELIVERIES, detail)
             return
         now = self.now()
         if request.eta is not None and request.eta > now:

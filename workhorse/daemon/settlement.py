@@ -40,7 +40,7 @@ class Broker(Protocol):
     """What settling needs of the broker connection (``BrokerConsumer``)."""
 
     def ack(self, message: Message) -> None: ...
-    def requeue(self, message: Message) -> None: ...
+    def requeue(self, queue: str, message: Message) -> None: ...
     def requeue_counted(self, queue: str, message: Message, deliveries: int) -> None: ...
     def hand_back(self, queue: str, message: Message) -> None: ...
     def dead_letter(self, queue: str, message: Message, reason: str, task_id: str | None,
@@ -110,7 +110,7 @@ class Settlement:
             if decision.action is Action.ACK and not delivery.acked:
                 self.broker.ack(message)
             elif decision.action is Action.REQUEUE:
-                self.broker.requeue(message)
+                self.broker.requeue(queue, message)
             elif decision.action is Action.REQUEUE_COUNTED:
                 log.warning("%s: %s; requeued (started %d of at most %d times)", delivery.label,
                             detail, delivery.deliveries, delivery.policy.max_deliveries)
@@ -145,7 +145,7 @@ class Settlement:
         """Back to its queue, not counted: it did not run (warm shutdown, stopping)."""
         self.holding.settle(delivery)
         if not delivery.acked:
-            self.give_back(delivery.message, delivery.label)
+            self.give_back(delivery.queue, delivery.message, delivery.label)
 
     def hand_back(self, delivery: Delivery) -> None:
         """A fresh copy to the end of its queue, then ack (ETA messages over
@@ -157,11 +157,11 @@ class Settlement:
             log.error("%s: could not hand it back (%r); the broker returns it when its lease "
                       "ends or the connection closes", delivery.label, exc)
 
-    def give_back(self, message: Message, label: str = "a message") -> None:
+    def give_back(self, queue: str, message: Message, label: str = "a message") -> None:
         """Requeue, uncounted; if even that fails, the broker has it back anyway once our
         lease runs out or the connection closes."""
         try:
-            self.broker.requeue(message)
+            self.broker.requeue(queue, message)
         except Exception as exc:  # noqa: BLE001 - see the log line
             log.warning("%s: could not give it back (%r); the broker returns it when its "
                         "lease ends or the connection closes", label, exc)
@@ -174,7 +174,7 @@ class Settlement:
         except Exception as exc:  # noqa: BLE001 - given back instead
             log.error("could not dead-letter a malformed message (%r); it goes back to %s",
                       exc, queue)
-            self.give_back(message)
+            self.give_back(queue, message)
 
     # ------------------------------------------------------------------ results
     def _store(self, delivery: Delivery, decision: Decision, detail: str | None) -> None:

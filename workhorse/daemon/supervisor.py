@@ -95,7 +95,7 @@ class Supervisor:
                                      self.hostname, result_retry_policy(settings), self._changed)
         self.intake = Intake(self.current, self.loop, self.holding, self.settlement,
                              self.system.monotonic, self.system.now, self._changed,
-                             self._accepting)
+                             self._accepting, self.consumer.count_delivery)
         self.slots = Slots(settings.concurrency, self.system, self.loop, self._make_runtime,
                            self, Recycling(settings.max_tasks_per_child,
                                            settings.max_memory_per_child), self._accepting,
@@ -275,7 +275,7 @@ class Supervisor:
             if self._accepting():
                 self.intake.accept(queue, message)
             else:
-                self.settlement.give_back(message)   # arrived after we stopped fetching
+                self.settlement.give_back(queue, message)   # came after we stopped fetching
 
     # ------------------------------------------------------------------ pool events
     def job_done(self, delivery: Delivery, done: Done) -> None:
@@ -304,7 +304,6 @@ class Supervisor:
         elsewhere, or the result store could not be asked. Hold it (not a delivery that
         counts) and look again when that run has ended or its claim lapsed."""
         delivery.started = False
-        delivery.deliveries = delivery.request.deliveries
         delay = self.settings.visibility_timeout / 2
         log.info("%s: not run now (its idempotency key is held elsewhere, or the result "
                  "store did not answer); looking again in %.0f s", delivery.label, delay)
@@ -377,7 +376,7 @@ class Supervisor:
         self.consumer.cancel()
         for delivery in h.take_waiting():       # given back at once, in order
             if not delivery.acked:
-                self.settlement.give_back(delivery.message, delivery.label)
+                self.settlement.give_back(delivery.queue, delivery.message, delivery.label)
         self.slots.stop_idle()
         self.loop.call_later(self.settings.graceful_timeout,
                              lambda: self.cold_shutdown("graceful_timeout passed"))

@@ -24,6 +24,17 @@ messages for long (Celery's well-known duplicates):
    ``BLMOVE key key RIGHT RIGHT`` (a move onto itself, which changes nothing) until the
    list is non-empty (``ListWaiter``); Redis older than 6.2 has no BLMOVE, and is polled.
 
+4. kombu counts nothing: a message put back by the sweep after its worker died looks like
+   any other. Here the take also counts the delivery, in the same script (``HINCRBY`` in
+   the hash ``delivery_counts``, keyed by delivery tag, which kombu keeps when it puts a
+   message back), and the count is handed over in ``delivery_info["delivery_count"]``
+   (the message's JSON is never re-encoded in Lua: cjson would turn ``[]`` into ``{}``).
+   A clean hand-back by a live worker (``reject(requeue=True)``) takes the count back in
+   the transaction that restores the message, and so does ``Channel.forget`` for a lease
+   lost by a live worker; kombu's sweep, or a channel closed holding messages, leaves
+   them counted. Acking (or dead-lettering) removes the count with the lease; a counted
+   message deleted from its list otherwise (a purge) leaves its entry behind.
+
 The keys and the message layout are kombu's own: Celery producers feed these workers, and
 kombu's sweep (run by every consumer) restores what a dead worker held. Celery *workers*
 should not consume from the same Redis database: they renew nothing, so a workhorse
@@ -42,31 +53,48 @@ from kombu.utils.json import dumps, loads
 
 log = logging.getLogger("workhorse.transport.redis")
 
-# KEYS: unacked_index, unacked. ARGV: tag, score. Remove the entry if the score is ours.
+# KEYS: unacked_index, unacked, delivery_counts. ARGV: tag, score. Remove the entry (and the
+# message's delivery count) if the score is ours.
 _FORGET_IF_OURS = """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if score and tonumber(score) == tonumber(ARGV[2]) then
     redis.call('ZREM', KEYS[1], ARGV[1])
     redis.call('HDEL', KEYS[2], ARGV[1])
+    redis.call('HDEL', KEYS[3], ARGV[1])
     return 1
 end
 return 0
 """
-# Take the next message off the first non-empty list and record it as unacked, in one step.
-# KEYS: unacked_index, unacked, then the lists in order. ARGV: the score, then each list's
-# dead-letter list. Returns {position of the list, message}, or nil. A message that is not
-# kombu's JSON with a delivery tag cannot be acked or put back: it goes to the dead-letter
-# list as it is, and its position is returned negative.
+# A lease lost by a live worker: take back the delivery its take counted, unless the lease
+# is still ours after all, or the message is gone (acked elsewhere: its count with it).
+# KEYS: unacked_index, delivery_counts. ARGV: tag, our score ('' once we know it is lost).
+_UNCOUNT_LOST = """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if score and ARGV[2] ~= '' and tonumber(score) == tonumber(ARGV[2]) then
+    return 0
+end
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
+    redis.call('HINCRBY', KEYS[2], ARGV[1], -1)
+    return 1
+end
+return 0
+"""
+# Take the next message off the first non-empty list, record it as unacked and count the
+# delivery, in one step. KEYS: unacked_index, unacked, delivery_counts, then the lists in
+# order. ARGV: the score, then each list's dead-letter list. Returns {position of the list,
+# message, delivery count}, or nil. A message that is not kombu's JSON with a delivery tag
+# cannot be acked or put back: it goes to the dead-letter list as it is, and its position
+# is returned negative.
 _TAKE = """
-for i = 3, #KEYS do
+for i = 4, #KEYS do
     local payload = redis.call('RPOP', KEYS[i])
     if payload then
         local ok, message = pcall(cjson.decode, payload)
         local props = ok and type(message) == 'table' and message['properties']
         local tag = type(props) == 'table' and props['delivery_tag']
         if type(tag) ~= 'string' then
-            redis.call('LPUSH', ARGV[i - 1], payload)
-            return {2 - i, payload}
+            redis.call('LPUSH', ARGV[i - 2], payload)
+            return {3 - i, payload}
         end
         local info = props['delivery_info']
         if type(info) ~= 'table' then info = {} end
@@ -76,7 +104,8 @@ for i = 3, #KEYS do
         redis.call('ZADD', KEYS[1], ARGV[1], tag)
         redis.call('HSET', KEYS[2], tag, '[' .. payload .. ',' .. cjson.encode(exchange)
                    .. ',' .. cjson.encode(routing_key) .. ']')
-        return {i - 2, payload}
+        local count = redis.call('HINCRBY', KEYS[3], tag, 1)
+        return {i - 3, payload, count}
     end
 end
 return nil
@@ -108,10 +137,14 @@ class QoS(redis.QoS):
         self._unrecorded: dict[str, str] = {}
         #: tag -> score, for messages Channel.take recorded, until append() sees them.
         self._taken: dict[str, float] = {}
+        #: Tags whose delivery Channel.take counted, while we hold them: a clean hand-back
+        #: takes the count back (a message fetched otherwise was not counted).
+        self._counted: set[str] = set()
 
     def append(self, message: Any, delivery_tag: str) -> None:
-        if delivery_tag in self._taken:    # recorded by the script that took it
+        if delivery_tag in self._taken:    # recorded (and counted) by the script that took it
             self._scores[delivery_tag] = self._taken.pop(delivery_tag)
+            self._counted.add(delivery_tag)
             virtual.QoS.append(self, message, delivery_tag)
             return
         delivery = message.delivery_info
@@ -143,32 +176,56 @@ class QoS(redis.QoS):
     def ack(self, delivery_tag: str) -> None:
         self._forget_if_ours(delivery_tag)
         self._scores.pop(delivery_tag, None)
+        self._counted.discard(delivery_tag)
         virtual.QoS.ack(self, delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        if requeue:
-            self.restore_by_tag(delivery_tag, leftmost=True)
+        if requeue:       # a clean hand-back: not a delivery that counts
+            self.restore_by_tag(delivery_tag, leftmost=True, uncount=True)
         else:
             self._forget_if_ours(delivery_tag)
         self._scores.pop(delivery_tag, None)
+        self._counted.discard(delivery_tag)
         virtual.QoS.ack(self, delivery_tag)
 
+    def forget(self, delivery_tag: str) -> None:
+        """Our lease was lost, though we live: drop it, and take back the count our take
+        added (the message is waiting, or held by another worker, and keeps the rest)."""
+        if delivery_tag in self._counted:
+            self._uncount_lost(delivery_tag, self._scores.get(delivery_tag))
+        self._scores.pop(delivery_tag, None)
+        self._counted.discard(delivery_tag)
+        virtual.QoS.ack(self, delivery_tag)
+
+    def _uncount_lost(self, tag: str, score: float | None) -> None:
+        with self.channel.conn_or_acquire() as client:
+            client.eval(_UNCOUNT_LOST, 2, self.unacked_index_key,
+                        self.channel.delivery_counts_key, tag,
+                        "" if score is None else repr(score))
+
     def restore_unacked(self, client: Any = None) -> None:
+        """On close: what is still held goes back, counted (it was not settled)."""
         with self.channel.conn_or_acquire(client) as client:
             for tag in self._delivered:
                 self.restore_by_tag(tag, client=client)
         self._delivered.clear()
         self._scores.clear()
+        self._counted.clear()
 
-    def restore_by_tag(self, tag: str, client: Any = None, leftmost: bool = False) -> None:
-        """Put a message back, but only while the lease is ours. (kombu's sweep calls this
-        for every abandoned message; those not delivered here are restored as kombu does.)"""
+    def restore_by_tag(self, tag: str, client: Any = None, leftmost: bool = False,
+                       uncount: bool = False) -> None:
+        """Put a message back, but only while the lease is ours; ``uncount``: a clean
+        hand-back, which takes back the delivery our take counted, in the same transaction.
+        (kombu's sweep calls this for every abandoned message; those not delivered here are
+        restored as kombu does, and stay counted.)"""
         if tag not in self._scores:
             super().restore_by_tag(tag, client, leftmost)
             return
         score = self._scores[tag]
         self._scores[tag] = None      # put back or found lost: this lease is over either way
         lost = score is None
+        uncount = uncount and tag in self._counted
+        self._counted.discard(tag)
 
         def restore(pipe: Any) -> None:
             nonlocal lost
@@ -178,6 +235,8 @@ class QoS(redis.QoS):
             payload = pipe.hget(self.unacked_key, tag)
             pipe.multi()
             pipe.zrem(self.unacked_index_key, tag).hdel(self.unacked_key, tag)
+            if uncount:
+                pipe.hincrby(self.channel.delivery_counts_key, tag, -1)
             if payload:
                 message, exchange, routing_key = loads(payload)
                 self.channel._do_restore_message(message, exchange, routing_key, pipe, leftmost)
@@ -189,18 +248,21 @@ class QoS(redis.QoS):
         if lost:
             log.warning("message %s: lease lost before it was put back; the copy now "
                         "delivered elsewhere is left alone", tag)
+            if uncount:
+                self._uncount_lost(tag, None)
 
     def _forget_if_ours(self, tag: str) -> None:
         self._record_late()           # (an unrecorded lease is written, then removed)
         if tag not in self._scores:   # not delivered through this QoS: kombu's removal
-            self._remove_from_indices(tag).execute()
+            self._remove_from_indices(tag).hdel(self.channel.delivery_counts_key, tag).execute()
             return
         score = self._scores[tag]
         removed = 0
         if score is not None:
             with self.channel.conn_or_acquire() as client:
-                removed = client.eval(_FORGET_IF_OURS, 2, self.unacked_index_key,
-                                      self.unacked_key, tag, repr(score))
+                removed = client.eval(_FORGET_IF_OURS, 3, self.unacked_index_key,
+                                      self.unacked_key, self.channel.delivery_counts_key,
+                                      tag, repr(score))
         if not removed:
             log.warning("message %s: lease lost before it was settled; the copy now delivered "
                         "elsewhere is left alone", tag)
@@ -237,8 +299,15 @@ class Channel(redis.Channel):
     #: cannot restore a message twice), so the lock only saves work: keep its lapse short.
     unacked_mutex_expire = 10
 
+    #: The hash of delivery counts (delivery tag -> deliveries counted), beside kombu's keys.
+    delivery_counts_key = "delivery_counts"
+
     def renew(self, tags: Iterable[str]) -> list[str]:
         return self.qos.renew(tags)
+
+    def forget(self, delivery_tag: str) -> None:
+        """Drop a message whose lease ``renew`` reported lost, uncounting our delivery."""
+        self.qos.forget(delivery_tag)
 
     def list_keys(self, queues: Iterable[str]) -> list[str]:
         """The Redis lists behind ``queues``: by priority first, as kombu's BRPOP reads them."""
@@ -255,11 +324,12 @@ class Channel(redis.Channel):
         dead = [key.rsplit(self.sep, 1)[0] + ".dead" for key in keys]
         score = time()
         with self.conn_or_acquire() as client:
-            reply = client.eval(_TAKE, 2 + len(keys), self.unacked_index_key,
-                                self.unacked_key, *keys, repr(score), *dead)
+            reply = client.eval(_TAKE, 3 + len(keys), self.unacked_index_key,
+                                self.unacked_key, self.delivery_counts_key, *keys,
+                                repr(score), *dead)
         if reply is None:
             return False
-        position, payload = reply
+        position, payload = reply[0], reply[1]
         if position < 0:
             log.error("an unreadable message on %s (not kombu's JSON with a delivery tag) "
                       "was moved to %s: %.200r", keys[-position - 1], dead[-position - 1],
@@ -268,7 +338,12 @@ class Channel(redis.Channel):
         queue = keys[position - 1].rsplit(self.sep, 1)[0]
         self._queue_cycle.rotate(queue)
         message = loads(payload)
-        self.qos._taken[message["properties"]["delivery_tag"]] = score
+        properties = message["properties"]
+        info = properties.get("delivery_info")
+        if not isinstance(info, dict):
+            info = properties["delivery_info"] = {}
+        info["delivery_count"] = int(reply[2])
+        self.qos._taken[properties["delivery_tag"]] = score
         self.connection._deliver(message, queue)
         return True
 

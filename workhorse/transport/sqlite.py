@@ -11,9 +11,12 @@ died — makes it available again. Closing a channel releases the leases it hold
 
 Each lease has its own delivery tag, ``"<id>:<token>"``, so a late ack from a lost lease can
 never delete the copy someone else now holds. A consumed message's ``delivery_info`` carries
-``delivery_count`` (how many times it has been leased, this time included) and
-``redelivered``; a redelivered message also gets the header ``redelivered: true``, as
-kombu's Redis transport marks restored messages.
+``delivery_count``: its delivery count, this lease included, added in the same statement
+that leases it, so it counts even if its consumer is killed outright. ``reject(requeue=True)``
+(a clean hand-back) and ``Channel.forget`` (a lease lost by a live consumer) take it back;
+a lease that expires, or a channel closed holding it, leaves it counted. A message counted
+before (``delivery_count`` > 1) is marked ``redelivered`` in ``delivery_info`` and in its
+headers, as kombu's Redis transport marks restored messages.
 
 Routing: publishing to the anonymous exchange ``""`` puts the message straight into the
 queue named by the routing key (what Celery and workhorse do by default). Bindings made by
@@ -52,14 +55,20 @@ class QoS(virtual.QoS):
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        if requeue:
-            self.channel.store.release([parse_tag(delivery_tag)])
+        if requeue:       # a clean hand-back: not a delivery that counts
+            self.channel.store.release([parse_tag(delivery_tag)], uncount=True)
         else:
             self.channel.store.ack(parse_tag(delivery_tag))
         self._quick_ack(delivery_tag)
 
+    def forget(self, delivery_tag: str) -> None:
+        """Our lease was lost, though we live: drop it, and take back the count it added."""
+        self.channel.store.forget(parse_tag(delivery_tag))
+        self._quick_ack(delivery_tag)
+
     def restore_unacked(self) -> list[Any]:
-        """Release every lease this channel holds (on close), instead of re-inserting copies."""
+        """Release every lease this channel holds (on close), instead of re-inserting copies.
+        They stay counted: the channel closed without settling them."""
         self._flush()
         tags = list(self._delivered)
         self._delivered.clear()
@@ -106,6 +115,10 @@ class Channel(virtual.Channel):
         tags = list(tags)
         alive = self.store.renew((parse_tag(t) for t in tags), self.visibility_timeout)
         return [t for t in tags if parse_tag(t) not in alive]
+
+    def forget(self, delivery_tag: str) -> None:
+        """Drop a message whose lease ``renew`` reported lost, uncounting our delivery."""
+        self.qos.forget(delivery_tag)
 
     def _size(self, queue: str) -> int:
         return self.store.size(queue)

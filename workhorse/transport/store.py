@@ -4,6 +4,10 @@ A consumed message is leased, not deleted: ``lease`` marks it taken until a dead
 fresh token; ``ack`` deletes it and ``release`` hands it back, both only while the token
 still matches; an expired lease makes the message available again. Several processes on
 one host share the file (WAL mode); each process opens its own connection.
+
+Each message keeps its delivery count (SEMANTICS.md): ``lease`` adds one in the same
+statement that takes it, so a consumer killed outright has counted already; a clean
+hand-back by a live consumer (``release(uncount=True)``, ``forget``) takes it back.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ CREATE TABLE IF NOT EXISTS messages (
     payload     TEXT    NOT NULL,                    -- kombu's JSON message
     lease_until REAL    NOT NULL DEFAULT 0,          -- epoch seconds; <= now: available
     lease_token TEXT,
-    deliveries  INTEGER NOT NULL DEFAULT 0,          -- times leased
+    deliveries  INTEGER NOT NULL DEFAULT 0,          -- times leased, less clean hand-backs
     created_at  REAL    NOT NULL
 );
 CREATE INDEX IF NOT EXISTS messages_fetch ON messages (queue, priority DESC, id);
@@ -101,13 +105,28 @@ class Store:
             cur = self.conn.execute("DELETE FROM messages WHERE id = ? AND lease_token = ?", lease)
             return cur.rowcount == 1
 
-    def release(self, leases: Iterable[Lease]) -> int:
-        """Make leased messages available again at once, in their old place in line."""
+    def release(self, leases: Iterable[Lease], *, uncount: bool = False) -> int:
+        """Make leased messages available again at once, in their old place in line.
+
+        ``uncount``: a clean hand-back by a live consumer, which takes back the delivery
+        its lease counted; without it (a channel closed holding them) they stay counted.
+        """
         with self._lock:
             cur = self.conn.executemany(
-                "UPDATE messages SET lease_until = 0, lease_token = NULL "
-                "WHERE id = ? AND lease_token = ?", list(leases))
+                "UPDATE messages SET lease_until = 0, lease_token = NULL, "
+                "deliveries = MAX(deliveries - ?, 0) WHERE id = ? AND lease_token = ?",
+                [(int(uncount), *lease) for lease in leases])
             return cur.rowcount
+
+    def forget(self, lease: Lease) -> bool:
+        """A lease its live consumer lost (not renewed in time): take back the delivery it
+        counted, wherever the message is now (waiting, or leased to another consumer).
+        A lease still held is left alone. False if there was nothing to take back."""
+        with self._lock:
+            cur = self.conn.execute(
+                "UPDATE messages SET deliveries = MAX(deliveries - 1, 0) "
+                "WHERE id = ? AND lease_token IS NOT ?", lease)
+            return cur.rowcount == 1
 
     def renew(self, leases: Iterable[Lease], visibility_timeout: float) -> set[Lease]:
         """Push the deadline of each lease out; return the leases that still exist."""
