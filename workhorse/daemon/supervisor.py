@@ -6,7 +6,9 @@
     Dispatch    buffered messages to idle children; ack at start          (dispatch.py)
     Settlement  store what only the supervisor can, then ack/requeue/DLQ (settlement.py)
     Leases      renew what is held, and idempotency claims                (leases.py)
+    BrokerLink  sockets to watch, per-connection housekeeping, loss, restore  (link.py)
     Reconnect   back-off after a lost broker connection                   (reconnect.py)
+    Reload      SIGHUP: config and code again; TTIN/TTOU: pool size       (reload.py)
     System      every OS call, the seam for tests without fork            (system.py)
 
 This module keeps the loop, the phases, the ``handle_<signal>`` methods and the order of
@@ -18,7 +20,6 @@ import enum
 import logging
 import signal
 from collections.abc import Callable
-from functools import partial
 from typing import TYPE_CHECKING
 
 from kombu.message import Message
@@ -38,8 +39,8 @@ from .exitcodes import ExitCode
 from .holding import Holding
 from .intake import Intake
 from .leases import Leases
+from .link import BrokerLink
 from .loop import Loop
-from .reconnect import Reconnect
 from .reload import Load, Reload
 from .settlement import Settlement
 from .signals import SignalPipe
@@ -85,11 +86,10 @@ class Supervisor:
         self.exit_code: int = ExitCode.OK
         self._interrupts = 0
         self._want_poll = False
-        self._broker_fds: set[int] = set()
         self.loop = Loop(self.system.monotonic)
         self.signals = SignalPipe(HANDLED_SIGNALS)
         self.consumer = consumer or BrokerConsumer(app, list(settings.queues), self.receive,
-                                                   self.on_broker_lost)
+                                                   lambda exc: self.link.lost(exc))
         self.holding = Holding(settings.concurrency * settings.prefetch_multiplier)
         self.settlement = Settlement(self.current, self.consumer, self.loop, self.holding,
                                      self.hostname, result_retry_policy(settings), self._changed)
@@ -106,9 +106,10 @@ class Supervisor:
                                  self.consumer.ack, lambda: self.consumer.push,
                                  self._update_flow,
                                  lambda seq: f"{self.hostname}:{self.system.getpid()}:{seq}")
-        self.reconnect = Reconnect(self.loop, self.system.monotonic, self._connect,
-                                   lambda: self._accepting() and not self.consumer.connected,
-                                   self._restored)
+        self.link = BrokerLink(self.consumer, self.loop, self.holding, self.leases,
+                               self.system.monotonic, self.has_room, self._accepting,
+                               lambda: self.phase is Phase.STOPPED,
+                               lambda: self.slots.running, self._changed)
         self.reloading = Reload(self.current, reload, self.slots, self.holding,
                                 self.settlement, self.system.monotonic, self._changed)
 
@@ -146,8 +147,7 @@ class Supervisor:
         # fork, with the configured retries.
         self.app.backend.retry_policy = RetryPolicy(always_retry=False)
         try:
-            self.consumer.connect(prefetch_count=self.holding.window, has_room=self.has_room)
-            self.reconnect.connected()
+            self.link.connect()
             _log_banner(self.current, self.holding.window)
             self.slots.spawn_all()
             self._start_timers()
@@ -155,7 +155,7 @@ class Supervisor:
             systemd.notify(f"READY=1\nSTATUS=consuming {', '.join(self.settings.queues)}")
             log.info("ready: consuming %s", ", ".join(self.settings.queues))
             while self.phase is not Phase.STOPPED:
-                self._before_wait()
+                self.link.before_wait()
                 self.loop.run_once()
                 self._after_events()
         except BaseException:
@@ -173,7 +173,6 @@ class Supervisor:
 
     def _start_timers(self) -> None:
         s = self.settings
-        self._start_broker_housekeeping()
         if self.consumer.polled:
             self._every(POLL_INTERVAL, self._poll_timer)
         if s.max_memory_per_child:
@@ -188,56 +187,16 @@ class Supervisor:
         if watchdog:
             self._every(watchdog, _ping_watchdog)
 
-    def _every(self, interval: float, function: Callable[[], None],
-               generation: int | None = None) -> None:
-        """Call ``function`` every ``interval`` s until the supervisor stops (or the broker
-        connection of ``generation`` is replaced, if given)."""
-        def alive() -> bool:
-            return self.phase is not Phase.STOPPED and (
-                generation is None or generation == self.consumer.generation)
-        self.loop.every(interval, function, alive)
-
-    def _start_broker_housekeeping(self) -> None:
-        generation = self.consumer.generation
-        for interval, function in self.consumer.periodic():
-            self._every(interval, function, generation)
+    def _every(self, interval: float, function: Callable[[], None]) -> None:
+        """Call ``function`` every ``interval`` s until the supervisor stops."""
+        self.loop.every(interval, function, lambda: self.phase is not Phase.STOPPED)
 
     def _purge_results(self) -> None:
         removed = self.app.backend.purge_expired()  # type: ignore[attr-defined]
         if removed:
             log.info("result store: %d expired results deleted", removed)
 
-    # ------------------------------------------------------------------ broker
-    def on_broker_lost(self, exc: BaseException) -> None:
-        """Running tasks go on; what is only buffered or scheduled is the broker's again if
-        the broker took it back (RabbitMQ does when a connection closes; SQLite and Redis
-        keep our leases, which we go on renewing); we reconnect with back-off."""
-        dropped = 0
-        if self.consumer.push:
-            dropped = len(self.holding.take_waiting()) + len(self.holding.inbox)
-            self.holding.inbox.clear()
-        log.error("broker connection lost (%r): %d running tasks go on%s; reconnecting",
-                  exc, self.slots.running,
-                  f", {dropped} buffered or scheduled messages are back with the broker"
-                  if dropped else "")
-        systemd.notify(f"STATUS=broker connection lost ({exc!r}); reconnecting")
-        self.reconnect.lost()
-
-    def _connect(self) -> None:
-        self.consumer.connect(self.holding.window, self.has_room, retries=0)
-
-    def _restored(self) -> None:
-        log.info("broker connection restored; consuming %s", ", ".join(self.settings.queues))
-        systemd.notify(f"STATUS=consuming {', '.join(self.settings.queues)}")
-        self._start_broker_housekeeping()
-        self.leases.renew()         # before the new connection's sweep can take our leases
-        self._changed()
-
-    def _before_wait(self) -> None:
-        if self.phase is Phase.RUNNING:
-            self.consumer.tick()
-            self._sync_broker_fds()
-
+    # ------------------------------------------------------------------ events
     def _after_events(self) -> None:
         self._accept_received()
         if self._accepting():
@@ -251,16 +210,6 @@ class Supervisor:
 
     def _poll_timer(self) -> None:
         self._want_poll = True
-
-    def _sync_broker_fds(self) -> None:
-        current = self.consumer.fds()
-        if current == self._broker_fds:
-            return
-        for fd in self._broker_fds - current:
-            self.loop.remove_reader(fd)
-        for fd in current - self._broker_fds:
-            self.loop.add_reader(fd, partial(self.consumer.on_readable, fd))
-        self._broker_fds = current
 
     def receive(self, queue: str, message: Message) -> None:
         """kombu hands us one raw message (not decoded: the child decodes the body). It is
