@@ -164,17 +164,26 @@ class FakeBroker:
         self._do("hand_back", message)
 
     def dead_letter(self, queue: str, message: Any, reason: str, task_id: str | None,
-                    worker: str, *, acked: bool) -> None:
+                    worker: str, *, acked: bool, or_requeue: bool = False) -> None:
         self._do("dead_letter", message)
+
+    def republish(self, queue: str, message: Any, headers: Any) -> None:
+        self._do("republish", message)
+
+    def ack_then(self, message: Any, then: Callable[[BaseException | None], None]) -> None:
+        """Acks at once and answers at once (the broker thread would answer later)."""
+        try:
+            self._do("ack", message)
+        except Exception as exc:  # noqa: BLE001 - handed to ``then``, as the link does
+            then(exc)
+            return
+        then(None)
 
     def forget(self, message: Any) -> None:
         self._do("forget", message)
 
-    def count_delivery(self, queue: str, message: Any) -> int | None:
-        return 1
-
-    def renew(self, messages: list[Any]) -> list[Any]:
-        return [m for m in messages if m.headers["id"] in self.lost]
+    def renew(self, messages: list[Any], then: Callable[[list[Any]], None]) -> None:
+        then([m for m in messages if m.headers["id"] in self.lost])
 
     def is_connection_error(self, exc: BaseException) -> bool:
         return isinstance(exc, ConnectionError)
@@ -237,29 +246,43 @@ def delivery(seq: int = 1, policy: Policy | None = None, task: str = "t.add",
                     policy or Policy())
 
 
-class FakeConsumer(FakeBroker):
-    """The supervisor's broker connection: records credit and cancels; never connected."""
+class FakeLink(FakeBroker):
+    """The supervisor's handle on its broker thread: records credit, room and cancels."""
 
     def __init__(self) -> None:
         super().__init__()
         self.credits: list[int] = []
+        self.rooms: list[int] = []
         self.cancelled = False
         self.push = False
-        self.polled = False
         self.connected = True
-        self.generation = 1
+        self.where = "memory://"
 
     def set_credit(self, count: int) -> None:
-        self.credits.append(count)
+        if not self.credits or self.credits[-1] != count:
+            self.credits.append(count)
+
+    def set_room(self, free: int) -> None:
+        self.rooms.append(free)
 
     def cancel(self) -> None:
         self.cancelled = True
 
-    def poll(self) -> None:
+    def start(self) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, timeout: float) -> None:
         self.connected = False
+
+    def healthy(self) -> bool:
+        return True
+
+    def parked(self) -> Any:
+        import contextlib
+        return contextlib.nullcontext(True)
+
+    def describe(self) -> str:
+        return "fake broker"
 
 
 def fake_settings(**overrides: Any) -> Any:

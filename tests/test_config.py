@@ -47,6 +47,8 @@ SAMPLES = {
     "max_boot_failures": ("3", 3),
     "max_scheduled": ("50", 50),
     "rabbitmq_consumer_timeout": ("600", 600.0),
+    "broker_connection_retry_on_startup": ("false", False),
+    "broker_connection_max_retries": ("5", 5),
     "loglevel": ("debug", "DEBUG"),
     "hostname": ("w1@host", "w1@host"),
     "state_dir": ("/var/lib/wh", Path("/var/lib/wh")),

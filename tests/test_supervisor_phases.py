@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fakes import FakeClock, FakeConsumer, FakeOS, fake_app, fake_settings, message
+from tests.fakes import FakeClock, FakeLink, FakeOS, fake_app, fake_settings, message
 from workhorse.daemon.supervisor import Phase, Supervisor
 from workhorse.outcome import Outcome
 from workhorse.pool.ipc import Done, Job, Stop
@@ -15,9 +15,9 @@ pytestmark = pytest.mark.timeout(10)
 def running_supervisor(**settings):
     clock = FakeClock()
     os_ = FakeOS(clock)
-    consumer = FakeConsumer()
+    consumer = FakeLink()
     supervisor = Supervisor(fake_app("t.add"), fake_settings(**settings), system=os_,
-                            consumer=consumer)
+                            link=consumer)
     supervisor.slots.spawn_all()
     for child in list(supervisor.slots.children()):
         supervisor.slots.on_readable(child)          # Hello
@@ -27,7 +27,7 @@ def running_supervisor(**settings):
 
 def receive(supervisor, *messages):
     for m in messages:
-        supervisor.receive("q", m)
+        supervisor.receive("q", m, 1)
     supervisor._after_events()
 
 

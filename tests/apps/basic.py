@@ -203,6 +203,19 @@ def soft_ignored(self, seconds):
 
 
 @app.task(bind=True)
+def outlive_soft(self, seconds):
+    """Catches SoftTimeLimitExceeded and sleeps on: only the hard limit ends it."""
+    _record("outlive_soft", self.request.id)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            time.sleep(deadline - time.monotonic())
+        except SoftTimeLimitExceeded:
+            _record("outlive_soft:soft", self.request.id)
+    return "outlived"
+
+
+@app.task(bind=True)
 def pid(self):
     _record("pid", self.request.id)
     return os.getpid()

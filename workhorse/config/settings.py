@@ -132,6 +132,13 @@ SETTINGS: tuple[Setting, ...] = (
             "the broker hands it out again. A live worker renews the leases of everything it "
             "holds every visibility_timeout/4 s, so this bounds only how long a dead worker's "
             "messages wait. Workers sharing a broker should use the same value.", reload=False),
+    Setting("broker_connection_retry_on_startup", "broker", t.boolean(), True,
+            "Keep trying, with back-off, when the broker cannot be reached at start (the "
+            "worker is up meanwhile: signals, children, watchdog); false: exit with status 1 "
+            "at the first failure.", reload=False),
+    Setting("broker_connection_max_retries", "broker", t.integer(0).or_none(), None,
+            "Give up (exit with status 1) after this many failed attempts in a row to "
+            "connect or reconnect to the broker; none: never give up.", reload=False),
     Setting("rabbitmq_consumer_timeout", "broker", t.seconds(positive=True), 1800.0,
             "RabbitMQ's consumer_timeout (its default: 30 minutes). A scheduled (ETA) message "
             "held for half of it is handed back to its queue as a fresh copy, so RabbitMQ "

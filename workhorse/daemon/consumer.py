@@ -70,6 +70,7 @@ class BrokerConsumer:
         self.on_lost = on_lost
         #: Bumped by each connect: periodic work for an older connection stops.
         self.generation = 0
+        self.connected_at = 0.0     # monotonic time of the last connect
         #: Does the broker lease what we hold (SQLite, Redis)? Does it push messages up to a
         #: credit and take back what a lost connection held (AMQP)? Known once connected.
         self.leased = False
@@ -136,10 +137,23 @@ class BrokerConsumer:
         self.consuming = True
         self.paused = False
         self.generation += 1
+        self.connected_at = monotonic()
 
     @property
     def connected(self) -> bool:
         return self.connection is not None
+
+    def where(self) -> str:
+        """The broker's URL as logs show it (no password)."""
+        return redact(self.app.settings.broker_url)
+
+    def describe_failure(self, exc: BaseException) -> str:
+        """Why connecting failed, in the words an operator needs: a refused login is not
+        an unreachable broker."""
+        if _is_auth_failure(exc):
+            return f"authentication refused ({type(exc).__name__}: {exc}); check the " \
+                   "user and password in broker_url"
+        return f"unreachable ({type(exc).__name__}: {exc})"
 
     def _errors(self) -> tuple[type[BaseException], ...]:
         assert self.connection is not None
@@ -437,6 +451,25 @@ def _rabbitmq(connection: Connection) -> RabbitMQ:
              ".".join(map(str, server.version or ())) or "of unknown version",
              " and quorum queues' x-delivery-count" if server.counts_returns else "")
     return server
+
+
+def redact(url: str) -> str:
+    """Hide a password in a URL before logging it."""
+    if "://" not in url or "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    credentials, _, host = rest.rpartition("@")
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
+
+
+def _is_auth_failure(exc: BaseException) -> bool:
+    """RabbitMQ's ACCESS_REFUSED, Redis's WRONGPASS/NOAUTH and the like."""
+    names = {type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None}
+    text = str(exc).upper()
+    return bool(names & {"AccessRefused", "AuthenticationError",
+                         "AuthenticationWrongNumberOfArgsError"}) or any(
+        word in text for word in ("ACCESS_REFUSED", "WRONGPASS", "NOAUTH", "AUTHENTICATION"))
 
 
 def _discard(connection: Connection) -> None:

@@ -15,6 +15,7 @@ class Stage(str, enum.Enum):
     NEW = "new"                # accepted, not yet placed
     BUFFERED = "buffered"      # waiting for an idle child
     SCHEDULED = "scheduled"    # waiting for its ETA
+    ACKING = "acking"          # acks_late = false: its ack is on the way, then it starts
     RUNNING = "running"        # a child runs it
     STORING = "storing"        # over; settled once the supervisor has stored its result
     SETTLED = "settled"

@@ -6,15 +6,15 @@ are armed as the child takes it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from kombu.message import Message
 
 from ..pool.child import Child
 from ..pool.ipc import Job
 from ..pool.limits import effective_limit
-from .delivery import Delivery
+from .delivery import Delivery, Stage
 from .current import Current
 from .holding import Holding
 from .intake import Intake
@@ -27,28 +27,40 @@ log = logging.getLogger("workhorse.supervisor")
 SAME_ID_RECHECK = 1.0
 
 
+class AckingBroker(Protocol):
+    push: bool
+
+    def ack_then(self, message: Message,
+                 then: Callable[[BaseException | None], None]) -> None: ...
+    def republish(self, queue: str, message: Message, headers: Mapping[str, Any]) -> None: ...
+
+
 class Dispatch:
     def __init__(self, current: Current, holding: Holding, intake: Intake, slots: Slots,
-                 ack: Callable[[Message], None], push: Callable[[], bool],
-                 update_flow: Callable[[int], None], claim_owner: Callable[[int], str]) -> None:
+                 broker: AckingBroker, accepting: Callable[[], bool],
+                 on_change: Callable[[], None], claim_owner: Callable[[int], str]) -> None:
         self.current = current
         self.holding = holding
         self.intake = intake
         self.slots = slots
-        self.ack = ack
-        #: Does the broker take back what a lost connection held (RabbitMQ)?
-        self.push = push
-        #: Tell the broker our credit; the argument counts deliveries acked just now.
-        self.update_flow = update_flow
+        self.broker = broker
+        self.accepting = accepting
+        #: Credit and room follow what is held: called after an ack at start changes it.
+        self.on_change = on_change
         self.claim_owner = claim_owner
 
     def dispatch(self) -> None:
-        """Give each idle child the next buffered message that may start now."""
-        for child in list(self.slots.idle()):
+        """Give each idle child the next buffered message that may start now. One whose
+        ack at start is on its way has an idle child kept for it."""
+        idle = list(self.slots.idle())
+        for child in idle[len(self.holding.acking):]:
             delivery = self._next_startable()
             if delivery is None:
                 return
-            self._start(child, delivery)
+            if delivery.policy.acks_late or delivery.acked:
+                self._start(child, delivery)
+            else:
+                self._ack_at_start(delivery)
 
     def _next_startable(self) -> Delivery | None:
         while (delivery := self.holding.next_buffered()) is not None:
@@ -63,8 +75,6 @@ class Dispatch:
         return None
 
     def _start(self, child: Child, delivery: Delivery) -> None:
-        if not (delivery.policy.acks_late or delivery.acked or self._ack_at_start(delivery)):
-            return
         hard, soft = self._limits(delivery)
         if not self.slots.start(child, delivery, self._job(delivery), hard, soft):
             self.holding.buffer_first(delivery)     # never started: first in line again
@@ -81,27 +91,38 @@ class Dispatch:
                    delivery.policy.acks_late, claim_owner=self.claim_owner(delivery.seq),
                    claim_ttl=self.current.settings.visibility_timeout)
 
-    def _ack_at_start(self, delivery: Delivery) -> bool:
-        """At-most-once: acked before its child gets it, so an ack that fails never lets it
-        run twice. The broker would count the freed slot as room for one more: shrink its
-        credit first (same channel, so in that order). False: not acked, not started."""
-        delivery.acked = True
-        self.update_flow(1)
-        try:
-            self.ack(delivery.message)
-            return True
-        except Exception as exc:  # noqa: BLE001 - the broker still has it
-            delivery.acked = False
-            self.update_flow(0)
-            if self.push():              # RabbitMQ took it back with the connection
+    def _ack_at_start(self, delivery: Delivery) -> None:
+        """At-most-once: acked before a child gets it, so an ack that fails never lets it
+        run twice. It waits (ACKING, counted in the window) for the broker thread's answer;
+        the credit shrinks first, so the freed place is not taken as room for one more."""
+        self.holding.ack_at_start(delivery)
+        self.on_change()
+        self.broker.ack_then(delivery.message, lambda error: self._acked(delivery, error))
+
+    def _acked(self, delivery: Delivery, error: BaseException | None) -> None:
+        """The broker thread's answer to an ack at start (on the loop thread)."""
+        if delivery.stage is not Stage.ACKING:
+            return
+        if error is None:
+            delivery.acked = True
+            if self.accepting():
+                self.holding.buffer_first(delivery)     # next to start
+            else:
+                # Stopping, and acked: no child will take it now. A copy goes back to its
+                # queue, so an at-most-once task is not lost to a shutdown either.
                 self.holding.settle(delivery)
-                log.warning("%s: could not ack it at start (%r); not started, the broker "
-                            "delivers it again", delivery.label, exc)
-            else:                        # still leased to us: try again shortly
-                log.warning("%s: could not ack it at start (%r); trying again in %.0f s",
-                            delivery.label, exc, SAME_ID_RECHECK)
-                self.intake.schedule(delivery, SAME_ID_RECHECK)
-            return False
+                log.info("%s: acked at start as the worker stopped; a copy is back in %s",
+                         delivery.label, delivery.queue)
+                self.broker.republish(delivery.queue, delivery.message, {})
+        elif self.broker.push:          # RabbitMQ took it back with the connection
+            self.holding.settle(delivery)
+            log.warning("%s: could not ack it at start (%r); not started, the broker "
+                        "delivers it again", delivery.label, error)
+        else:                            # still leased to us: try again shortly
+            log.warning("%s: could not ack it at start (%r); trying again in %.0f s",
+                        delivery.label, error, SAME_ID_RECHECK)
+            self.intake.schedule(delivery, SAME_ID_RECHECK)
+        self.on_change()
 
     def _track_started(self, task: Any) -> bool:
         value = getattr(task, "track_started", None)

@@ -2,6 +2,7 @@
 
     NEW --buffer--> BUFFERED --start--> RUNNING --store--> STORING --settle--> SETTLED
     NEW/BUFFERED/RUNNING --schedule--> SCHEDULED --buffer--> BUFFERED
+    NEW --ack at start--> ACKING --acked--> BUFFERED (first in line, acked)
     any but SETTLED --settle--> SETTLED
 
 ``Holding`` is the only code that moves a delivery from one stage to another; each move is
@@ -23,10 +24,12 @@ class Holding:
     def __init__(self, window: int) -> None:
         #: concurrency × prefetch_multiplier: buffered + running (+ received) at most.
         self.window = window
-        self.inbox: deque[tuple[str, Message]] = deque()   # received, not yet looked at
+        #: Received (queue, message, delivery count), not yet looked at.
+        self.inbox: deque[tuple[str, Message, int]] = deque()
         self.buffer: deque[Delivery] = deque()
         self.scheduled: set[Delivery] = set()
         self.running: set[Delivery] = set()
+        self.acking: set[Delivery] = set()      # acks_late = false: ack on its way
         self.storing: set[Delivery] = set()     # over; waiting to store their result
         #: Fetching stops until this monotonic time (after a max_scheduled hand-back).
         self.paused_until = 0.0
@@ -34,25 +37,28 @@ class Holding:
     # ------------------------------------------------------------------ arithmetic
     @property
     def held(self) -> int:
-        """Received (not yet looked at), buffered and running: what the window bounds."""
-        return len(self.inbox) + len(self.buffer) + len(self.running)
+        """Received (not yet looked at), buffered, about to start and running: what the
+        window bounds."""
+        return len(self.inbox) + len(self.buffer) + len(self.acking) + len(self.running)
 
     def has_room(self, now: float) -> bool:
         """May one more message be taken? Our own count, not the broker's QoS."""
         return self.held < self.window and now >= self.paused_until
 
-    def credit(self, now: float, starting: int = 0) -> int:
+    def credit(self, now: float) -> int:
         """How many unacknowledged messages the broker may have out with us.
 
         The broker counts what we have not acked: buffered, scheduled, running tasks not
         acked at start, and finished ones whose result is still being stored. For
         buffered + running <= window, that is the window plus the scheduled and the unacked
-        storing, minus the running ones acked already (acks_late = false), minus
-        ``starting``: acked just now, about to be handed to a child. Paused: none.
+        storing, minus those acked already (acks_late = false: acked, waiting for a child or
+        running) and those whose ack is on its way (the credit shrinks before the ack frees
+        a place). Paused: none.
         """
         if now < self.paused_until:
             return 0
-        acked_running = starting + sum(1 for d in self.running if d.acked)
+        acked_running = (len(self.acking) + sum(1 for d in self.buffer if d.acked)
+                         + sum(1 for d in self.running if d.acked))
         unacked_storing = sum(1 for d in self.storing if not d.acked)
         return self.window + len(self.scheduled) + unacked_storing - acked_running
 
@@ -63,6 +69,7 @@ class Holding:
     def all(self) -> Iterator[Delivery]:
         yield from self.buffer
         yield from self.scheduled
+        yield from self.acking
         yield from self.running
         yield from self.storing
 
@@ -78,8 +85,9 @@ class Holding:
         self.buffer.append(delivery)
 
     def buffer_first(self, delivery: Delivery) -> None:
-        """Its time has come (ETA reached), or a child could not take it: first in line."""
-        self._leave(delivery, Stage.NEW, Stage.SCHEDULED, Stage.RUNNING)
+        """Its time has come (ETA reached), its ack at start is done, or a child could not
+        take it: first in line."""
+        self._leave(delivery, Stage.NEW, Stage.SCHEDULED, Stage.RUNNING, Stage.ACKING)
         delivery.stage = Stage.BUFFERED
         self.buffer.appendleft(delivery)
 
@@ -94,9 +102,15 @@ class Holding:
 
     def schedule(self, delivery: Delivery) -> None:
         """Wait for its ETA, or to be looked at again (its ``timer`` is set by the caller)."""
-        self._leave(delivery, Stage.NEW, Stage.RUNNING)
+        self._leave(delivery, Stage.NEW, Stage.RUNNING, Stage.ACKING)
         delivery.stage = Stage.SCHEDULED
         self.scheduled.add(delivery)
+
+    def ack_at_start(self, delivery: Delivery) -> None:
+        """acks_late = false: its ack is on its way to the broker; it starts once done."""
+        self._leave(delivery, Stage.NEW)
+        delivery.stage = Stage.ACKING
+        self.acking.add(delivery)
 
     def start(self, delivery: Delivery) -> None:
         self._leave(delivery, Stage.NEW)
@@ -112,8 +126,8 @@ class Holding:
 
     def settle(self, delivery: Delivery) -> None:
         """Acked, requeued, dead-lettered, handed back or left to the broker: not ours."""
-        self._leave(delivery, Stage.NEW, Stage.BUFFERED, Stage.SCHEDULED, Stage.RUNNING,
-                    Stage.STORING)
+        self._leave(delivery, Stage.NEW, Stage.BUFFERED, Stage.SCHEDULED, Stage.ACKING,
+                    Stage.RUNNING, Stage.STORING)
         delivery.stage = Stage.SETTLED
 
     def take_waiting(self) -> list[Delivery]:
@@ -137,6 +151,8 @@ class Holding:
             self.scheduled.discard(delivery)
         elif stage is Stage.RUNNING:
             self.running.discard(delivery)
+        elif stage is Stage.ACKING:
+            self.acking.discard(delivery)
         elif stage is Stage.STORING:
             self.storing.discard(delivery)
         if delivery.timer is not None:      # its ETA, recheck or store-retry timer

@@ -45,8 +45,7 @@ class Intake:
     def __init__(self, current: Current, loop: Loop, holding: Holding,
                  settlement: Settlement, clock: Callable[[], float],
                  now: Callable[[], datetime], on_change: Callable[[], None],
-                 accepting: Callable[[], bool],
-                 count: Callable[[str, Message], int | None]) -> None:
+                 accepting: Callable[[], bool]) -> None:
         self.current = current
         self.loop = loop
         self.holding = holding
@@ -56,13 +55,11 @@ class Intake:
         self.on_change = on_change
         #: Is the worker taking work? Stopping, nothing new is held.
         self.accepting = accepting
-        #: Counts this delivery with the broker: the delivery count, this one included;
-        #: None if the message was replaced by a copy carrying its count (RabbitMQ).
-        self.count = count
         self._seq = 0
 
-    def accept(self, queue: str, message: Message) -> None:
-        """Look at one received message and place it."""
+    def accept(self, queue: str, message: Message, deliveries: int) -> None:
+        """Look at one received message and place it. ``deliveries``: its delivery count,
+        this delivery included, as the broker thread counted it on arrival."""
         try:
             request = parse_request(message.headers)
         except MalformedMessage as exc:
@@ -78,9 +75,6 @@ class Intake:
                                    "define it?)")
             return
         if self.expired(delivery):
-            return
-        deliveries = self.count(queue, message)
-        if deliveries is None:
             return
         delivery.deliveries = deliveries
         policy = delivery.policy

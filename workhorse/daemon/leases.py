@@ -22,7 +22,8 @@ RENEWALS_PER_TIMEOUT = 4
 class LeasedBroker(Protocol):
     leased: bool
 
-    def renew(self, messages: list[Message]) -> list[Message]: ...
+    def renew(self, messages: list[Message],
+              then: Callable[[list[Message]], None]) -> None: ...
     def forget(self, message: Message) -> None: ...
 
 
@@ -44,10 +45,14 @@ class Leases:
         idempotent tasks running here from lapsing."""
         held = self.holding.unsettled()
         if self.broker.leased and held:
-            lost = {id(m) for m in self.broker.renew([d.message for d in held])}
-            for delivery in held:
-                if id(delivery.message) in lost:
-                    self._lease_lost(delivery)
+            by_message = {id(d.message): d for d in held}
+
+            def lost(messages: list[Message]) -> None:      # back on the loop thread
+                for message in messages:
+                    delivery = by_message.get(id(message))
+                    if delivery is not None:
+                        self._lease_lost(delivery)
+            self.broker.renew([d.message for d in held], lost)
         claims = {d.claim[0]: d.claim[1] for d in self.holding.running if d.claim is not None}
         if claims:
             for key in self.current.app.backend.renew_claims(claims, self.visibility_timeout):
@@ -70,6 +75,8 @@ class Leases:
         """Our lease ran out (renewals failed for a whole visibility_timeout): the broker may
         have handed the message to another worker. Do not start it here; if it runs, let
         it finish (settling it then touches only our own, lost, lease)."""
+        if delivery.stage is Stage.SETTLED:
+            return
         if delivery.stage not in (Stage.BUFFERED, Stage.SCHEDULED):
             log.warning("%s: lease lost while %s; the broker may deliver it again",
                         delivery.label, delivery.stage.value)

@@ -1,97 +1,199 @@
-"""The supervisor's side of its broker connection: the sockets the loop watches, the
-housekeeping each connection needs, and what happens when it is lost and restored."""
+"""The loop thread's side of the broker: every call hands work to the broker thread and
+returns at once; what comes back (messages, results, a lost or restored connection) is
+run on the loop thread, from its selector, through the ``Wakeup`` it watches."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from kombu.message import Message
 
 from . import systemd
-from .consumer import BrokerConsumer
-from .holding import Holding
-from .leases import Leases
-from .reconnect import Reconnect
+from .brokerthread import BrokerThread, Command, Wakeup
+from .consumer import BrokerConsumer, redact
 
 if TYPE_CHECKING:
+    from ..app import App
     from .loop import Loop
 
 log = logging.getLogger("workhorse.supervisor")
 
+#: The broker thread is taken to hang inside a call (and the watchdog is no longer pinged,
+#: so systemd restarts the worker) once it has not turned for this long. Its calls time
+#: out well before that; a broker that is down is retried, which counts as turning.
+STALL_LIMIT = 60.0
+
 
 class BrokerLink:
-    def __init__(self, consumer: BrokerConsumer, loop: Loop, holding: Holding, leases: Leases,
-                 clock: Callable[[], float], has_room: Callable[[], bool],
-                 accepting: Callable[[], bool], stopped: Callable[[], bool],
-                 running: Callable[[], int], on_change: Callable[[], None]) -> None:
-        self.consumer = consumer
-        self.loop = loop
-        self.holding = holding
-        self.leases = leases
-        self.has_room = has_room
-        self.accepting = accepting
-        #: Housekeeping (heartbeats, sweeps) goes on while running tasks finish, until then.
-        self.stopped = stopped
-        #: How many tasks run now (for the log line of a lost connection).
-        self.running = running
-        self.on_change = on_change
-        self.reconnect = Reconnect(loop, clock, self._connect,
-                                   lambda: accepting() and not consumer.connected,
-                                   self._restored)
-        self._fds: set[int] = set()
+    def __init__(self, app: App, queues: list[str], loop: Loop,
+                 on_message: Callable[[str, Message, int], None],
+                 on_connected: Callable[[], None], on_lost: Callable[[BaseException], None],
+                 on_gave_up: Callable[[BaseException], None],
+                 prefetch: Callable[[], int], max_retries: int | None,
+                 retry_on_startup: bool) -> None:
+        self.queues = queues
+        self.inbox = Wakeup()
+        loop.add_reader(self.inbox.read_fd, self._run_posted)
+        self.on_message = on_message
+        self.on_connected_cb = on_connected
+        self.on_lost_cb = on_lost
+        self.where = redact(app.settings.broker_url)
+        #: What the loop knows of the connection (set from the broker thread's reports).
+        self.connected = False
+        self.push = False       # RabbitMQ: pushes up to a credit, takes back on loss
+        self.leased = False     # SQLite, Redis: leases to renew
+        self.received = 0       # messages handed to the loop so far (for Room)
+        self._credit = -1
+        self.thread = BrokerThread(app, queues, self.inbox.put, self._message,
+                                   self._connected, self._lost, on_gave_up, prefetch,
+                                   max_retries, retry_on_startup)
 
-    def connect(self) -> None:
-        """The first connection; raises while the broker cannot be reached."""
-        self.consumer.connect(prefetch_count=self.holding.window, has_room=self.has_room)
-        self.reconnect.connected()
-        self._start_housekeeping()
+    def start(self) -> None:
+        self.thread.start()
 
-    def before_wait(self) -> None:
-        """Let the consumer (re)issue what it needs (Redis's waiters), and watch the
-        sockets it reads now (they change on reconnect)."""
-        if not self.accepting():
+    def parked(self) -> AbstractContextManager[bool]:
+        """Around fork(): True while the broker thread is parked (see BrokerThread.parked)."""
+        return self.thread.parked()
+
+    def close(self, timeout: float) -> None:
+        """After everything submitted so far: close the connection, end the thread. A
+        broker that does not answer within ``timeout`` is left behind (what we did not
+        settle comes back from the broker)."""
+        if not self.thread.is_alive():
             return
-        self.consumer.tick()
-        current = self.consumer.fds()
-        if current == self._fds:
+        self.thread.stop()
+        deadline = time.monotonic() + timeout
+        while self.thread.is_alive() and time.monotonic() < deadline:
+            self.thread.join(0.05)
+            self._run_posted()          # its last log records
+        if self.thread.is_alive():
+            log.warning("the broker did not answer within %.0f s at shutdown; what was not "
+                        "settled comes back from it", timeout)
+
+    # ------------------------------------------------------------------ health
+    def healthy(self) -> bool:
+        """The broker thread turns: connected, or retrying a broker it cannot reach. False
+        when it died or hangs inside a call (then the watchdog lets systemd restart us)."""
+        return (self.thread.is_alive()
+                and time.monotonic() - self.thread.progress < STALL_LIMIT)
+
+    def describe(self) -> str:
+        age = time.monotonic() - self.thread.progress
+        state = "connected" if self.connected else "not connected"
+        return f"broker {self.where} {state}, its thread last turned {age:.1f} s ago"
+
+    # ------------------------------------------------------------------ room and credit
+    def set_room(self, free: int) -> None:
+        """Free places in the window (0: take nothing). More room than before wakes the
+        broker thread to fetch."""
+        if self.thread.room.update(free, self.received):
+            self.submit(_fetch, "fetching")
+
+    def set_credit(self, count: int) -> None:
+        if count != self._credit:
+            self._credit = count
+            self.submit(lambda c: c.set_credit(count), "setting the prefetch credit")
+
+    # ------------------------------------------------------------------ settling
+    def submit(self, command: Command, what: str) -> None:
+        self.thread.submit(command, what)
+
+    def ack(self, message: Message) -> None:
+        self.submit(lambda c: c.ack(message), f"{_label(message)}: ack")
+
+    def ack_then(self, message: Message, then: Callable[[BaseException | None], None]) -> None:
+        """Ack, then run ``then(error or None)`` on the loop thread."""
+        def command(consumer: BrokerConsumer) -> None:
+            try:
+                consumer.ack(message)
+            except Exception as exc:  # noqa: BLE001 - handed to the loop thread
+                self.inbox.put(partial(then, exc))
+                return
+            self.inbox.put(lambda: then(None))
+        self.submit(command, f"{_label(message)}: ack at start")
+
+    def requeue(self, queue: str, message: Message) -> None:
+        self.submit(lambda c: c.requeue(queue, message), f"{_label(message)}: requeue")
+
+    def requeue_counted(self, queue: str, message: Message, deliveries: int) -> None:
+        self.submit(lambda c: c.requeue_counted(queue, message, deliveries),
+                    f"{_label(message)}: requeue (counted)")
+
+    def hand_back(self, queue: str, message: Message) -> None:
+        self.submit(lambda c: c.hand_back(queue, message), f"{_label(message)}: hand back")
+
+    def republish(self, queue: str, message: Message, headers: Mapping[str, Any]) -> None:
+        self.submit(lambda c: c.republish(queue, message, headers),
+                    f"{_label(message)}: put back")
+
+    def dead_letter(self, queue: str, message: Message, reason: str, task_id: str | None,
+                    worker: str, *, acked: bool, or_requeue: bool = False) -> None:
+        """Dead-letter; ``or_requeue``: if that fails (not for a lost connection), give it
+        back to its queue instead (a malformed message must not stay held)."""
+        def command(consumer: BrokerConsumer) -> None:
+            try:
+                consumer.dead_letter(queue, message, reason, task_id, worker, acked=acked)
+            except Exception as exc:
+                if not or_requeue or acked or consumer.is_connection_error(exc):
+                    raise
+                log.error("%s: could not dead-letter it (%r); it goes back to %s",
+                          _label(message), exc, queue)
+                consumer.requeue(queue, message)
+        self.submit(command, f"{_label(message)}: dead-letter")
+
+    def forget(self, message: Message) -> None:
+        self.submit(lambda c: c.forget(message), f"{_label(message)}: forget a lost lease")
+
+    def renew(self, messages: list[Message],
+              then: Callable[[list[Message]], None]) -> None:
+        """Renew the leases of ``messages``; ``then(lost)`` runs on the loop thread."""
+        def command(consumer: BrokerConsumer) -> None:
+            lost = consumer.renew(messages)
+            self.inbox.put(lambda: then(lost))
+        self.submit(command, "renewing leases")
+
+    def cancel(self) -> None:
+        self.submit(lambda c: c.cancel(), "cancelling the consumers")
+
+    def is_connection_error(self, exc: BaseException) -> bool:
+        return False        # nothing here raises: the broker thread logs its own errors
+
+    # ------------------------------------------------------------------ from the thread
+    def _run_posted(self) -> None:
+        for callback in self.inbox.take():
+            callback()
+
+    def _message(self, queue: str, message: Message, deliveries: int) -> None:
+        self.received += 1
+        self.on_message(queue, message, deliveries)
+
+    def _connected(self, consumer: BrokerConsumer, ok: bool) -> None:
+        """Reported by the broker thread after each attempt to connect."""
+        if not ok:
+            systemd.notify(f"STATUS=waiting for the broker at {self.where}")
             return
-        for fd in self._fds - current:
-            self.loop.remove_reader(fd)
-        for fd in current - self._fds:
-            self.loop.add_reader(fd, partial(self.consumer.on_readable, fd))
-        self._fds = current
-
-    def lost(self, exc: BaseException) -> None:
-        """Running tasks go on; what is only buffered or scheduled is the broker's again if
-        the broker took it back (RabbitMQ does when a connection closes; SQLite and Redis
-        keep our leases, which we go on renewing); we reconnect with back-off."""
-        dropped = 0
-        if self.consumer.push:
-            dropped = len(self.holding.take_waiting()) + len(self.holding.inbox)
-            self.holding.inbox.clear()
-        log.error("broker connection lost (%r): %d running tasks go on%s; reconnecting",
-                  exc, self.running(),
-                  f", {dropped} buffered or scheduled messages are back with the broker"
-                  if dropped else "")
-        systemd.notify(f"STATUS=broker connection lost ({exc!r}); reconnecting")
-        self.reconnect.lost()
-
-    def _connect(self) -> None:
-        self.consumer.connect(self.holding.window, self.has_room, retries=0)
-
-    def _restored(self) -> None:
-        queues = ", ".join(self.consumer.queues)
-        log.info("broker connection restored; consuming %s", queues)
+        self.connected, self.push, self.leased = True, consumer.push, consumer.leased
+        self._credit = -1
+        queues = ", ".join(self.queues)
         systemd.notify(f"STATUS=consuming {queues}")
-        self._start_housekeeping()
-        self.leases.renew()         # before the new connection's sweep can take our leases
-        self.on_change()
+        self.on_connected_cb()
 
-    def _start_housekeeping(self) -> None:
-        """What this connection's driver needs every so often, until it is replaced."""
-        generation = self.consumer.generation
+    def _lost(self, exc: BaseException) -> None:
+        self.connected = False
+        systemd.notify(f"STATUS=broker connection lost ({exc!r}); reconnecting")
+        self.on_lost_cb(exc)
 
-        def alive() -> bool:
-            return not self.stopped() and generation == self.consumer.generation
-        for interval, function in self.consumer.periodic():
-            self.loop.every(interval, function, alive)
+
+def _fetch(consumer: BrokerConsumer) -> None:
+    if consumer.connected:
+        consumer.poll()
+
+
+def _label(message: Message) -> str:
+    headers = message.headers or {}
+    return f"{headers.get('task')}[{headers.get('id')}]"
+

@@ -84,10 +84,17 @@ class Loop:
     # -- one turn
     def run_once(self, max_timeout: float | None = None) -> None:
         """Wait for I/O or the next timer (at most ``max_timeout``), then run what is due."""
+        self.dispatch(self.wait(max_timeout))
+
+    def wait(self, max_timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        """Wait for I/O or the next timer (at most ``max_timeout``); run nothing."""
         timeout = self.next_timeout(self.clock())
         if max_timeout is not None:
             timeout = max_timeout if timeout is None else min(timeout, max_timeout)
-        events = self.selector.select(timeout)
+        return self.selector.select(timeout)
+
+    def dispatch(self, events: list[tuple[selectors.SelectorKey, int]]) -> None:
+        """Run the readers of ``events``, then the timers that are due."""
         registered = self.selector.get_map()
         for key, _mask in events:
             # A callback earlier in this batch may have removed this reader (a child reaped)

@@ -44,7 +44,7 @@ class Broker(Protocol):
     def requeue_counted(self, queue: str, message: Message, deliveries: int) -> None: ...
     def hand_back(self, queue: str, message: Message) -> None: ...
     def dead_letter(self, queue: str, message: Message, reason: str, task_id: str | None,
-                    worker: str, *, acked: bool) -> None: ...
+                    worker: str, *, acked: bool, or_requeue: bool = False) -> None: ...
     def is_connection_error(self, exc: BaseException) -> bool: ...
 
 
@@ -170,11 +170,9 @@ class Settlement:
         log.error("malformed message on %s dead-lettered to %s.dead: %s", queue, queue, reason)
         try:
             self.broker.dead_letter(queue, message, f"malformed: {reason}", None,
-                                    self.hostname, acked=False)
-        except Exception as exc:  # noqa: BLE001 - given back instead
-            log.error("could not dead-letter a malformed message (%r); it goes back to %s",
-                      exc, queue)
-            self.give_back(queue, message)
+                                    self.hostname, acked=False, or_requeue=True)
+        except Exception as exc:  # noqa: BLE001 - the broker delivers it again
+            self._broker_failed(f"a malformed message on {queue}", "dead-letter", exc)
 
     # ------------------------------------------------------------------ results
     def _store(self, delivery: Delivery, decision: Decision, detail: str | None) -> None:

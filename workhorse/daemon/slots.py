@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("workhorse.supervisor")
 
+#: A spawn put off because another thread was mid-call is tried again this much later.
+FORK_RETRY = 0.01
 #: Consecutive crashes of a slot back off from this delay, doubling, up to the cap.
 CRASH_BACKOFF_START = 0.1
 CRASH_BACKOFF_MAX = 10.0
@@ -56,6 +59,10 @@ class Recycling:
     max_memory: int | None = None     # bytes of resident memory
 
 
+def _always() -> AbstractContextManager[bool]:
+    return nullcontext(True)
+
+
 def crash_delay(failures: int) -> float:
     """The first crash is replaced at once; then from the start delay, doubling, capped."""
     if failures <= 1:
@@ -84,7 +91,8 @@ class Slot:
 class Slots:
     def __init__(self, size: int, os: OS, loop: Loop, make_runtime: RuntimeFactory,
                  events: PoolEvents, recycling: Recycling,
-                 accepting: Callable[[], bool], *, max_boot_failures: int) -> None:
+                 accepting: Callable[[], bool], *, max_boot_failures: int,
+                 may_fork: Callable[[], AbstractContextManager[bool]] = _always) -> None:
         self.os = os
         self.loop = loop
         self.make_runtime = make_runtime
@@ -92,6 +100,8 @@ class Slots:
         self.recycling = recycling
         #: Is the worker taking work? If not, children are not replaced and idle ones stop.
         self.accepting = accepting
+        #: True while a fork now is safe (no other thread mid-call): see BrokerThread.parked.
+        self.may_fork = may_fork
         self.max_boot_failures = max_boot_failures
         self.slots: dict[int, Slot] = {index: Slot(index) for index in range(size)}
         #: Bumped by a reload: children forked before it are replaced by fresh ones.
@@ -131,6 +141,14 @@ class Slots:
 
     def spawn(self, slot: Slot) -> None:
         slot.respawn_timer = None
+        with self.may_fork() as ok:
+            if ok:
+                self._fork(slot)
+                return
+        # Another thread is mid-call (the broker thread): fork a moment later instead.
+        slot.respawn_timer = self.loop.call_later(FORK_RETRY, lambda: self._respawn(slot))
+
+    def _fork(self, slot: Slot) -> None:
         slot.generation = self.generation
         handle = self.os.spawn(slot.index + 1, self.make_runtime)
         child = Child(slot.index, handle, self.os.monotonic())

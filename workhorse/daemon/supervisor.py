@@ -24,14 +24,13 @@ from typing import TYPE_CHECKING
 
 from kombu.message import Message
 
-from ..app import result_retry_policy
+from ..app import BROKER_TIMEOUT, result_retry_policy
 from ..backends import RetryPolicy
 from ..config import Settings
 from ..outcome import Outcome
 from ..pool.ipc import Done
 from ..pool.runtime import ChildRuntime
 from . import systemd
-from .consumer import POLL_INTERVAL, BrokerConsumer
 from .delivery import Delivery
 from .current import Current
 from .dispatch import Dispatch
@@ -74,7 +73,7 @@ class Phase(str, enum.Enum):
 
 class Supervisor:
     def __init__(self, app: App, settings: Settings, system: System | None = None,
-                 reload: Load | None = None, consumer: BrokerConsumer | None = None) -> None:
+                 reload: Load | None = None, link: BrokerLink | None = None) -> None:
         #: The app and settings in force; a reload replaces both.
         self.current = Current(app, settings)
         self.hostname: str = settings.hostname
@@ -85,31 +84,29 @@ class Supervisor:
         self.phase = Phase.STARTING
         self.exit_code: int = ExitCode.OK
         self._interrupts = 0
-        self._want_poll = False
         self.loop = Loop(self.system.monotonic)
         self.signals = SignalPipe(HANDLED_SIGNALS)
-        self.consumer = consumer or BrokerConsumer(app, list(settings.queues), self.receive,
-                                                   lambda exc: self.link.lost(exc))
         self.holding = Holding(settings.concurrency * settings.prefetch_multiplier)
-        self.settlement = Settlement(self.current, self.consumer, self.loop, self.holding,
+        self.link = link or BrokerLink(
+            app, list(settings.queues), self.loop, self.receive, self._connected,
+            self._broker_lost, self._gave_up, lambda: self.holding.window,
+            settings.broker_connection_max_retries,
+            settings.broker_connection_retry_on_startup)
+        self.settlement = Settlement(self.current, self.link, self.loop, self.holding,
                                      self.hostname, result_retry_policy(settings), self._changed)
         self.intake = Intake(self.current, self.loop, self.holding, self.settlement,
                              self.system.monotonic, self.system.now, self._changed,
-                             self._accepting, self.consumer.count_delivery)
+                             self._accepting)
         self.slots = Slots(settings.concurrency, self.system, self.loop, self._make_runtime,
                            self, Recycling(settings.max_tasks_per_child,
                                            settings.max_memory_per_child), self._accepting,
-                           max_boot_failures=settings.max_boot_failures)
-        self.leases = Leases(self.current, self.consumer, self.holding,
+                           max_boot_failures=settings.max_boot_failures,
+                           may_fork=self.link.parked)
+        self.leases = Leases(self.current, self.link, self.holding,
                              settings.visibility_timeout, self._changed)
         self.dispatch = Dispatch(self.current, self.holding, self.intake, self.slots,
-                                 self.consumer.ack, lambda: self.consumer.push,
-                                 self._update_flow,
+                                 self.link, self._accepting, self._changed,
                                  lambda seq: f"{self.hostname}:{self.system.getpid()}:{seq}")
-        self.link = BrokerLink(self.consumer, self.loop, self.holding, self.leases,
-                               self.system.monotonic, self.has_room, self._accepting,
-                               lambda: self.phase is Phase.STOPPED,
-                               lambda: self.slots.running, self._changed)
         self.reloading = Reload(self.current, reload, self.slots, self.holding,
                                 self.settlement, self.system.monotonic, self._changed)
 
@@ -125,17 +122,13 @@ class Supervisor:
     def _accepting(self) -> bool:
         return self.phase is Phase.RUNNING
 
-    def has_room(self) -> bool:
-        """May the worker take one more message? Its own count, not the broker's QoS."""
-        return self._accepting() and self.holding.has_room(self.system.monotonic())
-
     def _changed(self) -> None:
-        """Something held was settled, scheduled or paused: credit and fetching follow."""
-        self._want_poll = True
-        self._update_flow()
-
-    def _update_flow(self, starting: int = 0) -> None:
-        self.consumer.set_credit(self.holding.credit(self.system.monotonic(), starting))
+        """Something held changed: the broker's credit and the broker thread's room follow."""
+        now = self.system.monotonic()
+        self.link.set_credit(self.holding.credit(now))
+        free = self.holding.window - self.holding.held
+        self.link.set_room(free if self._accepting() and now >= self.holding.paused_until
+                           else 0)
 
     def run(self) -> int:
         """Run until shut down; return the process exit status."""
@@ -147,15 +140,14 @@ class Supervisor:
         # fork, with the configured retries.
         self.app.backend.retry_policy = RetryPolicy(always_retry=False)
         try:
-            self.link.connect()
             _log_banner(self.current, self.holding.window)
             self.slots.spawn_all()
             self._start_timers()
             self.phase = Phase.RUNNING
-            systemd.notify(f"READY=1\nSTATUS=consuming {', '.join(self.settings.queues)}")
-            log.info("ready: consuming %s", ", ".join(self.settings.queues))
+            self.link.start()           # connects on its own thread, with back-off
+            systemd.notify(f"READY=1\nSTATUS=connecting to the broker at {self.link.where}")
             while self.phase is not Phase.STOPPED:
-                self.link.before_wait()
+                self._changed()
                 self.loop.run_once()
                 self._after_events()
         except BaseException:
@@ -164,7 +156,7 @@ class Supervisor:
             self.slots.kill_now()
             self.exit_code = ExitCode.FAILURE
         finally:
-            self.consumer.close()
+            self.link.close(timeout=BROKER_TIMEOUT)
             self.signals.restore()
             self.loop.close()
             self.system.close()
@@ -173,56 +165,81 @@ class Supervisor:
 
     def _start_timers(self) -> None:
         s = self.settings
-        if self.consumer.polled:
-            self._every(POLL_INTERVAL, self._poll_timer)
         if s.max_memory_per_child:
             self._every(IDLE_MEMORY_CHECK, self.slots.check_idle_memory)
         self._every(self.leases.interval, self.leases.renew)
-        if self.consumer.push:
-            self._every(min(60.0, s.rabbitmq_consumer_timeout / 8),
-                        lambda: self.intake.refresh_scheduled(s.rabbitmq_consumer_timeout))
+        self._every(min(60.0, s.rabbitmq_consumer_timeout / 8), self._refresh_scheduled)
         if hasattr(self.app.backend, "purge_expired"):
             self._every(RESULT_PURGE_INTERVAL, self._purge_results)
         watchdog = systemd.watchdog_interval()
         if watchdog:
-            self._every(watchdog, _ping_watchdog)
+            self._every(watchdog, self._ping_watchdog)
 
     def _every(self, interval: float, function: Callable[[], None]) -> None:
         """Call ``function`` every ``interval`` s until the supervisor stops."""
         self.loop.every(interval, function, lambda: self.phase is not Phase.STOPPED)
+
+    def _ping_watchdog(self) -> None:
+        """Only while the loop turns (this is its timer) and the broker thread does too:
+        connected, or retrying a broker that is down. One that hangs lets systemd
+        restart us."""
+        if self.link.healthy():
+            systemd.notify("WATCHDOG=1")
+        else:
+            log.critical("%s: watchdog not pinged", self.link.describe())
+
+    def _refresh_scheduled(self) -> None:
+        if self.link.push:
+            self.intake.refresh_scheduled(self.settings.rabbitmq_consumer_timeout)
 
     def _purge_results(self) -> None:
         removed = self.app.backend.purge_expired()  # type: ignore[attr-defined]
         if removed:
             log.info("result store: %d expired results deleted", removed)
 
+    # ------------------------------------------------------------------ broker
+    def receive(self, queue: str, message: Message, deliveries: int) -> None:
+        """The broker thread hands over a raw message (the child decodes the body) and its
+        delivery count; it is looked at after this turn's events."""
+        self.holding.inbox.append((queue, message, deliveries))
+
+    def _connected(self) -> None:
+        log.info("ready: consuming %s", ", ".join(self.settings.queues))
+        self.leases.renew()         # before the new connection's sweep can take our leases
+        self._changed()
+
+    def _broker_lost(self, exc: BaseException) -> None:
+        """Running tasks go on; what is only buffered or scheduled is the broker's again if
+        the broker took it back (RabbitMQ does when a connection closes; SQLite and Redis
+        keep our leases, which we go on renewing). The broker thread reconnects."""
+        dropped = 0
+        if self.link.push:
+            dropped = len(self.holding.take_waiting()) + len(self.holding.inbox)
+            self.holding.inbox.clear()
+        log.error("broker connection lost (%r): %d running tasks go on%s; reconnecting",
+                  exc, self.slots.running,
+                  f", {dropped} buffered or scheduled messages are back with the broker"
+                  if dropped else "")
+
+    def _gave_up(self, exc: BaseException) -> None:
+        log.critical("giving up on the broker at %s (%s); stopping with exit status 1",
+                     self.link.where, exc)
+        self.exit_code = ExitCode.FAILURE
+        self.warm_shutdown("the broker cannot be reached")
+
     # ------------------------------------------------------------------ events
     def _after_events(self) -> None:
         self._accept_received()
         if self._accepting():
             self.dispatch.dispatch()
-        if self._want_poll and self.has_room():
-            self._want_poll = False
-            self.consumer.poll()
-            self._accept_received()
-            self.dispatch.dispatch()
         self._maybe_stopped()
-
-    def _poll_timer(self) -> None:
-        self._want_poll = True
-
-    def receive(self, queue: str, message: Message) -> None:
-        """kombu hands us one raw message (not decoded: the child decodes the body). It is
-        looked at once the drain returns: settling talks to the broker (a publish waits for
-        its confirm), which must not happen inside the broker's own read of more messages."""
-        self.holding.inbox.append((queue, message))
 
     def _accept_received(self) -> None:
         inbox = self.holding.inbox
         while inbox:
-            queue, message = inbox.popleft()
+            queue, message, deliveries = inbox.popleft()
             if self._accepting():
-                self.intake.accept(queue, message)
+                self.intake.accept(queue, message, deliveries)
             else:
                 self.settlement.give_back(queue, message)   # came after we stopped fetching
 
@@ -290,6 +307,7 @@ class Supervisor:
         log.warning("state: phase=%s held=%d/%d buffered=%d scheduled=%d running=%d "
                     "storing=%d", self.phase.value, h.held, h.window, len(h.buffer),
                     len(h.scheduled), len(h.running), len(h.storing))
+        log.warning("  %s", self.link.describe())
         for line in self.slots.describe():
             log.warning("  %s", line)
 
@@ -322,7 +340,7 @@ class Supervisor:
                  self.settings.graceful_timeout, len(h.running))
         systemd.notify("STOPPING=1")
         self.phase = Phase.WARM
-        self.consumer.cancel()
+        self.link.cancel()
         for delivery in h.take_waiting():       # given back at once, in order
             if not delivery.acked:
                 self.settlement.give_back(delivery.queue, delivery.message, delivery.label)
@@ -360,10 +378,6 @@ def _log_banner(current: Current, window: int) -> None:
     log.info("results: %s", _redact(s.result_backend))
     log.info("state directory: %s", s.state_dir)
     log.info("tasks: %s", ", ".join(sorted(current.app.tasks)) or "(none registered)")
-
-
-def _ping_watchdog() -> None:
-    systemd.notify("WATCHDOG=1")
 
 
 def _redact(url: str) -> str:

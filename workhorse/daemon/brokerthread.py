@@ -1,0 +1,334 @@
+"""Broker I/O on a thread of its own, so the supervisor's loop never waits on the broker.
+
+Who owns what:
+- The broker thread owns the ``BrokerConsumer`` and every kombu object of its connection
+  (channels, drivers, sockets), and its own ``Loop`` (housekeeping timers, reconnect
+  back-off). Nothing else touches them.
+- The loop thread owns everything else: what is held, the children, the settings.
+- They talk through two queues of closures, each with a wakeup pipe the receiving loop
+  watches: ``submit`` runs a closure on the broker thread with the consumer; ``post`` runs
+  one on the loop thread. ``Room`` (under a lock) says how many more messages the broker
+  thread may take, and ``progress`` (written by the broker thread) when it last turned.
+
+The broker thread never writes to stdout or stderr itself: log records made on it (its
+own, and kombu's or redis-py's) are handed to the loop thread to emit, so it never holds a
+lock on a stream when the loop thread forks a child.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import TYPE_CHECKING
+
+from kombu.message import Message
+
+from .consumer import POLL_INTERVAL, BrokerConsumer
+from .loop import Loop
+from .reconnect import backoff
+
+if TYPE_CHECKING:
+    from ..app import App
+
+log = logging.getLogger("workhorse.broker")
+
+Command = Callable[[BrokerConsumer], None]
+Callback = Callable[[], None]
+#: The broker thread turns at least this often when idle (its progress stays fresh).
+IDLE_TURN = 1.0
+
+
+class Wakeup:
+    """A queue of closures and a pipe that says something is in it."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[Callable[..., None]] = queue.SimpleQueue()
+        self.read_fd, self.write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def put(self, item: Callable[..., None]) -> None:
+        self.queue.put(item)
+        try:
+            os.write(self.write_fd, b"\0")
+        except BlockingIOError:
+            pass            # the pipe is full: the reader is awake already
+
+    def take(self) -> list[Callable[..., None]]:
+        try:
+            while os.read(self.read_fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        items = []
+        while True:
+            try:
+                items.append(self.queue.get_nowait())
+            except queue.Empty:
+                return items
+
+    def fds(self) -> tuple[int, int]:
+        return self.read_fd, self.write_fd
+
+
+class Room:
+    """How many more messages the broker thread may take: the loop thread's count of free
+    places in its window, less what the broker thread took since that count was made."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free = 0
+        self._as_of = 0        # messages the loop had received when it counted
+        self._taken = 0        # messages the broker thread has taken
+
+    def update(self, free: int, received: int) -> bool:
+        """Loop thread: ``free`` places, counted after receiving ``received`` messages.
+        True if that is more room than before (the broker thread may fetch again)."""
+        with self._lock:
+            before = self._free - (self._taken - self._as_of)
+            self._free, self._as_of = free, received
+            return self._free - (self._taken - self._as_of) > before
+
+    def available(self) -> int:
+        with self._lock:
+            return self._free - (self._taken - self._as_of)
+
+    def took(self) -> None:
+        with self._lock:
+            self._taken += 1
+
+
+class BrokerThread:
+    """Connects (with back-off, from the start), consumes, settles, renews, reconnects.
+
+    It runs a ``threading.Thread`` rather than being one: CPython calls private methods of
+    every Thread in a forked child (``_stop``, ``_delete``), and a subclass's method of the
+    same name would run there, on the parent's broker connection."""
+
+    def __init__(self, app: App, queues: list[str], post: Callable[[Callback], None],
+                 on_message: Callable[[str, Message, int], None],
+                 on_connected: Callable[[BrokerConsumer, bool], None],
+                 on_lost: Callable[[BaseException], None],
+                 on_gave_up: Callable[[BaseException], None],
+                 prefetch: Callable[[], int], max_retries: int | None,
+                 retry_on_startup: bool) -> None:
+        self.thread = threading.Thread(target=self._run, name="broker", daemon=True)
+        self.post = post
+        self.on_message = on_message
+        self.on_connected = on_connected
+        self.on_lost = on_lost
+        self.on_gave_up = on_gave_up
+        self.prefetch = prefetch
+        #: Failed attempts in a row before giving up (None: never); the first connection
+        #: gives up at its first failure unless retry_on_startup.
+        self.max_retries = max_retries
+        self.retry_on_startup = retry_on_startup
+        self.room = Room()
+        self.commands = Wakeup()
+        self.consumer = BrokerConsumer(app, queues, self._received, self._lost)
+        self.loop = Loop()
+        #: Monotonic time the thread last turned: stale means it hangs inside a call.
+        self.progress = time.monotonic()
+        #: Held by this thread whenever it is not parked in select(): see ``parked``.
+        self.gate = threading.Lock()
+        self._stopping = False
+        self._attempts = 0          # failed connects since the last success
+        self._first = True
+        #: Messages kombu handed over during the call running now (a drain, a connect).
+        self._arrived: list[tuple[str, Message]] = []
+
+    # ------------------------------------------------------------------ loop thread's API
+    def submit(self, command: Command, what: str = "") -> None:
+        """Run ``command(consumer)`` on the broker thread, after every one submitted before.
+        An error it raises is logged there, naming ``what``; it never comes back."""
+        self.commands.put(_guarded(command, what))
+
+    def stop(self) -> None:
+        """After the commands already submitted: close the connection and end."""
+        self.commands.put(lambda consumer: self._shut_down())
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        _divert_logging(self.thread, self.post)
+        self.loop.add_reader(self.commands.read_fd, self._run_commands)
+        self.loop.call_later(0, self._connect)
+        self.loop.every(POLL_INTERVAL, self._poll)
+        while not self._stopping:
+            self.progress = time.monotonic()
+            try:
+                with self.gate:
+                    self._prepare()
+                events = self.loop.wait(IDLE_TURN)      # parked: the gate is free
+                with self.gate:
+                    self.loop.dispatch(events)
+                    self._hand_over()
+            except Exception as exc:  # the thread must not die of one bad turn
+                log.error("broker thread: %r", exc, exc_info=exc)
+        self.loop.close()
+
+    @contextlib.contextmanager
+    def parked(self) -> Iterator[bool]:
+        """Loop thread, around fork(): True while this thread is parked in select(), where
+        it holds no lock and runs no broker code. A child forked otherwise could inherit a
+        lock held mid-call, and CPython clears this thread's frames in the child, running
+        whatever cleanup they hold (kombu's would give back the parent's messages)."""
+        if not self.is_alive():
+            yield True
+            return
+        got = self.gate.acquire(timeout=0.002)
+        try:
+            yield got
+        finally:
+            if got:
+                self.gate.release()
+
+    def _prepare(self) -> None:
+        consumer = self.consumer
+        if consumer.connected:
+            consumer.tick()
+            self._watch(consumer.fds())
+
+    def _watch(self, fds: set[int]) -> None:
+        current = {key.fd for key in self.loop.selector.get_map().values()
+                   if key.fd != self.commands.read_fd}
+        for fd in current - fds:
+            self.loop.remove_reader(fd)
+        for fd in fds - current:
+            self.loop.add_reader(fd, partial(self.consumer.on_readable, fd))
+
+    def _run_commands(self) -> None:
+        for command in self.commands.take():
+            command(self.consumer)
+
+    def _poll(self) -> None:
+        if self.consumer.connected and self.room.available() > 0:
+            self.consumer.poll()
+
+    def _connect(self) -> None:
+        if self._stopping or self.consumer.connected:
+            return
+        consumer = self.consumer
+        try:
+            consumer.connect(self.prefetch(), lambda: self.room.available() > 0, retries=0)
+        except Exception as exc:  # noqa: BLE001 - unreachable still: said, then retried
+            self._attempts += 1
+            limit = self.max_retries if self.retry_on_startup or not self._first else 0
+            if limit is not None and self._attempts > limit:
+                self.post(partial(self.on_gave_up, exc))
+                log.critical("broker %s: %s; giving up after %d attempt%s (%s)",
+                             consumer.where(), consumer.describe_failure(exc), self._attempts,
+                             "s" if self._attempts > 1 else "",
+                             "broker_connection_max_retries" if limit else
+                             "broker_connection_retry_on_startup = false")
+                self._stopping = True
+                return
+            delay = backoff(self._attempts) or backoff(1)
+            log.error("broker %s: %s; next try in %.1f s", consumer.where(),
+                      consumer.describe_failure(exc), delay)
+            self.post(lambda: self.on_connected(consumer, False))
+            self.loop.call_later(delay, self._connect)
+            return
+        first, self._first = self._first, False
+        connected_at = time.monotonic()
+        self.loop.call_later(60.0, lambda: self._lasted(connected_at))
+        self._start_housekeeping()
+        self.post(lambda: self.on_connected(consumer, True))
+        if not first:
+            log.info("broker connection restored")
+
+    def _lasted(self, connected_at: float) -> None:
+        """A connection that lasted a while starts the back-off over."""
+        if self.consumer.connected and self.consumer.connected_at == connected_at:
+            self._attempts = 0
+
+    def _start_housekeeping(self) -> None:
+        generation = self.consumer.generation
+
+        def alive() -> bool:
+            return not self._stopping and generation == self.consumer.generation
+        for interval, function in self.consumer.periodic():
+            self.loop.every(interval, function, alive)
+
+    def _received(self, queue_name: str, message: Message) -> None:
+        """kombu hands over a message, inside a drain or a connect: counted (which may
+        publish) once that call has returned, in ``_hand_over``."""
+        self.room.took()
+        self._arrived.append((queue_name, message))
+
+    def _hand_over(self) -> None:
+        """Count what arrived and give it to the loop. RabbitMQ may replace a redelivered
+        message by a counted copy: nothing to give then."""
+        arrived, self._arrived = self._arrived, []
+        for queue_name, message in arrived:
+            deliveries = self.consumer.count_delivery(queue_name, message)
+            if deliveries is not None:
+                self.post(partial(self.on_message, queue_name, message, deliveries))
+
+    def _lost(self, exc: BaseException) -> None:
+        self.post(lambda: self.on_lost(exc))
+        self._attempts = max(self._attempts, 1) if self._recently_connected() else 0
+        self.loop.call_later(backoff(self._attempts), self._connect)
+
+    def _recently_connected(self) -> bool:
+        return time.monotonic() - self.consumer.connected_at < 60.0
+
+    def _shut_down(self) -> None:
+        try:
+            self.consumer.close()
+        finally:
+            self._stopping = True
+
+
+def _guarded(command: Command, what: str) -> Command:
+    def run(consumer: BrokerConsumer) -> None:
+        try:
+            command(consumer)
+        except Exception as exc:  # the broker delivers it again; logged
+            if consumer.is_connection_error(exc):
+                log.warning("%s: the broker connection is gone (%r); the broker will "
+                            "deliver it again", what or "a broker call", exc)
+            else:
+                log.error("%s failed: %r", what or "a broker call", exc, exc_info=exc)
+    return run
+
+
+class _ToLoopThread(logging.Filter):
+    """On the root logger's handlers: a record made on the broker thread is not emitted
+    there but handed to the loop thread, which emits it (see the module docstring)."""
+
+    def __init__(self, thread: threading.Thread, post: Callable[[Callback], None]) -> None:
+        super().__init__()
+        self.thread = thread
+        self.post = post
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if threading.current_thread() is not self.thread:
+            return True
+        if not getattr(record, "_handed_over", False):
+            record._handed_over = True
+            self.post(lambda: _emit(record))
+        return False
+
+
+def _emit(record: logging.LogRecord) -> None:
+    for handler in logging.getLogger().handlers:
+        if record.levelno >= handler.level:
+            handler.handle(record)
+
+
+def _divert_logging(thread: threading.Thread, post: Callable[[Callback], None]) -> None:
+    divert = _ToLoopThread(thread, post)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(divert)
