@@ -139,9 +139,9 @@ class FakeLoop(Loop):
 
 @dataclass
 class FakeBroker:
-    """Records settle calls as (verb, task id); ``fail`` makes the next calls raise."""
+    """Records settle calls as (verb, task id header); ``fail`` makes the next calls raise."""
 
-    calls: list[tuple[str, str]] = field(default_factory=list)
+    calls: list[tuple[str, str | None]] = field(default_factory=list)
     fail: BaseException | None = None
     leased: bool = True
     lost: set[str] = field(default_factory=set)      # task ids whose lease is gone
@@ -149,7 +149,7 @@ class FakeBroker:
     def _do(self, verb: str, message: Any) -> None:
         if self.fail is not None:
             raise self.fail
-        self.calls.append((verb, message.headers["id"]))
+        self.calls.append((verb, (message.headers or {}).get("id")))
 
     def ack(self, message: Any) -> None:
         self._do("ack", message)

@@ -2,6 +2,8 @@
 result with Celery's AsyncResult from a Redis result store (WIRE.md)."""
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from .conftest import REDIS_URL, make_broker, require_service
@@ -88,6 +90,43 @@ def test_celery_sent_task_retries_on_workhorse_and_celery_sees_retry_then_succes
 
 def test_celery_link_error_on_a_workhorse_worker(celery_setup, tmp_path):
     app, broker, _ = celery_setup
+    errback = app.signature("tests.apps.basic.errback_old")
+    result = app.send_task("tests.apps.basic.fail", ("x",), queue=broker.queue,
+                           link_error=errback)
+    with pytest.raises(ValueError):
+        result.get(timeout=20)
+    path = tmp_path / "grandchild.pid.errback"
+    from .conftest import wait_until
+    wait_until(lambda: path.exists() and path.read_text().strip(), 20, "Celery's errback")
+    assert path.read_text().split() == ["old", result.id]
+
+
+def test_a_celery_client_sees_malformed_message_for_a_pickled_task(celery_setup):
+    """An old producer pickling its messages: refused, and the client is told so."""
+    app, broker, _ = celery_setup
+    result = app.send_task("tests.apps.basic.add", (1, 2), queue=broker.queue,
+                           serializer="pickle")
+    with pytest.raises(Exception) as raised:
+        result.get(timeout=20)
+    assert type(raised.value).__name__ == "MalformedMessage"
+    assert "not accepted" in str(raised.value)
+    assert result.state == "FAILURE"
+
+
+def test_a_celery_client_sending_protocol_v1_runs_on_workhorse(celery_setup):
+    app, broker, _ = celery_setup
+    app.conf.task_protocol = 1
+    callback_id = f"v1-cb-{uuid.uuid4()}"
+    callback = app.signature("tests.apps.basic.mul", (10,)).set(task_id=callback_id)
+    result = app.send_task("tests.apps.basic.add", (2, 40), queue=broker.queue,
+                           link=callback)
+    assert result.get(timeout=20) == 42
+    assert app.AsyncResult(callback_id).get(timeout=20) == 420
+
+
+def test_a_celery_client_sending_protocol_v1_gets_its_link_error_called(celery_setup, tmp_path):
+    app, broker, _ = celery_setup
+    app.conf.task_protocol = 1
     errback = app.signature("tests.apps.basic.errback_old")
     result = app.send_task("tests.apps.basic.fail", ("x",), queue=broker.queue,
                            link_error=errback)

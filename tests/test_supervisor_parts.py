@@ -196,13 +196,60 @@ def test_an_unknown_task_is_dead_lettered_with_not_registered_stored():
     assert not list(holding.all())
 
 
-def test_a_malformed_message_is_dead_lettered():
+def test_a_malformed_message_with_an_id_is_dead_lettered_with_malformed_message_stored():
     clock = FakeClock()
-    intake, _, broker, _, _ = make_intake(clock)
+    intake, app, broker, _, holding = make_intake(clock)
     m = message()
     m.headers["retries"] = "many"
     intake.accept("q", m, 1)
     assert broker.calls == [("dead_letter", m.headers["id"])]
+    assert app.backend.stored == [("FAILURE", m.headers["id"], "MalformedMessage")]
+    assert not list(holding.all())
+
+
+def test_a_malformed_message_without_an_id_is_dead_lettered_and_nothing_stored():
+    clock = FakeClock()
+    intake, app, broker, _, _ = make_intake(clock)
+    m = message()
+    del m.headers["id"]
+    intake.accept("q", m)
+    assert broker.calls == [("dead_letter", None)] and app.backend.stored == []
+
+
+def test_a_store_outage_holds_a_malformed_message_until_its_failure_is_stored():
+    clock = FakeClock()
+    intake, app, broker, loop, holding = make_intake(clock)
+    m = message()
+    m.headers["eta"] = "tomorrow"
+    app.backend.fail = ConnectionError("store down")
+    intake.accept("q", m)
+    assert broker.calls == [] and len(holding.storing) == 1
+    app.backend.fail = None
+    clock.advance(loop, 1.0)
+    assert app.backend.stored == [("FAILURE", m.headers["id"], "MalformedMessage")]
+    assert broker.calls == [("dead_letter", m.headers["id"])]
+
+
+def test_a_protocol_v1_message_is_read_from_its_body_and_buffered():
+    clock = FakeClock()
+    intake, _, broker, _, holding = make_intake(clock)
+    m = message()
+    m.headers = {}
+    m.body = (b'{"task": "t.add", "id": "v1-id", "args": [1, 2], "kwargs": {}, '
+              b'"retries": 0, "eta": null, "expires": null, "utc": true}')
+    intake.accept("q", m)
+    (buffered,) = holding.buffer
+    assert (buffered.request.task, buffered.request.id) == ("t.add", "v1-id")
+    assert broker.calls == []
+
+
+def test_a_body_the_child_found_malformed_is_dead_lettered_with_malformed_message_stored():
+    clock = FakeClock()
+    settlement, app, broker, _, holding = make_settlement(clock)
+    d = running(holding, delivery())
+    settlement.settle(d, Outcome.MALFORMED, "body is not valid application/json: ...")
+    assert app.backend.stored == [("FAILURE", d.request.id, "MalformedMessage")]
+    assert broker.calls == [("dead_letter", d.request.id)] and d.stage is Stage.SETTLED
 
 
 def test_an_expired_message_is_revoked_and_acked_without_running():

@@ -77,7 +77,7 @@ def test_unknown_task_is_dead_lettered_and_the_worker_goes_on(broker, client, st
 
 
 @pytest.mark.parametrize("body, headers, why", [
-    (b"[[1, 2], {}, {}]", {}, "no headers"),
+    (b"[[1, 2], {}, {}]", {}, "no 'task' header"),
     (b"[[1, 2], {}, {}]", {"task": "tests.apps.basic.add"}, "'id'"),
     (b"this is not json", {"task": "tests.apps.basic.add", "id": "m-1"}, "not valid"),
     (b'{"args": [1, 2]}', {"task": "tests.apps.basic.add", "id": "m-2"}, "triple"),

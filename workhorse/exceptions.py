@@ -30,7 +30,7 @@ class NotRegistered(KeyError, WorkhorseError):
 
 
 class MalformedMessage(WorkhorseError):
-    """A message that cannot be read as a Celery protocol v2 task message."""
+    """A message that cannot be read as a Celery task message (protocol v2, or v1)."""
 
 
 class TimeoutError(builtins.TimeoutError, WorkhorseError):  # shadows the builtin: Celery's name

@@ -45,6 +45,7 @@ class Store(str, enum.Enum):
     NOT_REGISTERED = "not_registered"  # FAILURE(NotRegistered)
     REVOKED = "revoked"              # REVOKED
     TOO_MANY = "too_many"            # FAILURE(TooManyDeliveries)
+    MALFORMED = "malformed"          # FAILURE(MalformedMessage), under the id it gives
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,9 @@ def decide(outcome: Outcome, policy: Policy, *, started: bool, deliveries: int =
     """
     if outcome is Outcome.MALFORMED:
         # Even when acked at start, a copy goes to the dead-letter queue: never a silent loss.
-        return Decision(Action.DEAD_LETTER)
+        # The supervisor stores the failure wherever the message was found malformed (the
+        # child only reports it), so a client waiting on its id does not wait for ever.
+        return Decision(Action.DEAD_LETTER, Store.MALFORMED)
     if outcome is Outcome.UNKNOWN_TASK:
         return Decision(Action.DEAD_LETTER, Store.NOT_REGISTERED)
     if outcome is Outcome.EXPIRED:

@@ -1,7 +1,10 @@
-"""Celery task message protocol v2: building messages and reading them back.
+"""Celery's task message protocol: building v2 messages, reading v2 and v1 ones back.
 
-Pure functions, no I/O. The layout is in ``shared/WIRE.md``: body ``[args, kwargs, embed]``,
-everything else in headers. Unknown headers are kept so a re-published message carries them.
+Pure functions, no I/O. The v2 layout is in ``shared/WIRE.md``: body ``[args, kwargs,
+embed]``, everything else in headers. Unknown headers are kept so a re-published message
+carries them. Protocol v1 (Celery 3 producers; Celery 5 workers still read it) has no
+``task`` header: the body is one JSON object holding the task name, id, arguments, options
+and workflow links; it is read into the same Request and body as v2.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeGuard
 
 from kombu.exceptions import ContentDisallowed, DecodeError
 from kombu.serialization import loads
@@ -35,11 +38,15 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+#: A decoded body: args, kwargs and embed (callbacks, errbacks, chain, chord).
+Body = tuple[list[Any], dict[str, Any], dict[str, Any]]
+
+
 @dataclass(frozen=True)
 class TaskMessage:
     """What a producer hands to kombu: the body to serialize, headers and properties."""
 
-    body: tuple[list[Any], dict[str, Any], dict[str, Any]]
+    body: Body
     headers: dict[str, Any]
     properties: dict[str, Any]
 
@@ -101,6 +108,10 @@ def build_message(
     return TaskMessage((list(args), kwargs, embed), headers, properties)
 
 
+def countdown_to_eta(countdown: float, now: datetime | None = None) -> datetime:
+    return (now or utcnow()) + timedelta(seconds=countdown)
+
+
 def format_datetime(value: datetime | None) -> str | None:
     if value is None:
         return None
@@ -132,7 +143,8 @@ def _optional_number(value: Any, what: str) -> float | None:
 
 @dataclass(frozen=True)
 class Request:
-    """A task message's headers, read and checked; the body is decoded in the child."""
+    """A task message's headers (a v1 message's, converted), read and checked; the body
+    is decoded in the child."""
 
     id: str
     task: str
@@ -201,31 +213,145 @@ def carried_deliveries(headers: Mapping[str, Any] | None) -> int:
     return value
 
 
-def decode_body(
-    body: bytes | str, content_type: str | None, content_encoding: str | None,
-) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
-    """Decode ``[args, kwargs, embed]`` or raise MalformedMessage naming the problem."""
+def decode_body(body: bytes | str, content_type: str | None,
+                content_encoding: str | None) -> Body:
+    """Decode a v2 body ``[args, kwargs, embed]`` or raise MalformedMessage naming the
+    problem."""
+    decoded = _loads(body, content_type, content_encoding)
+    if not isinstance(decoded, (list, tuple)) or len(decoded) != 3:
+        raise MalformedMessage(
+            "body must be the protocol v2 triple [args, kwargs, embed], "
+            f"got {_repr.repr(decoded)}")
+    args, kwargs, embed = decoded
+    if embed is not None and not isinstance(embed, dict):
+        raise MalformedMessage(f"body embed must be an object, not {_repr.repr(embed)}")
+    return _arguments(args, kwargs) + (embed or {},)
+
+
+def _arguments(args: Any, kwargs: Any) -> tuple[list[Any], dict[str, Any]]:
+    if not isinstance(args, (list, tuple)):
+        raise MalformedMessage(f"body args must be a list, not {_repr.repr(args)}")
+    if not isinstance(kwargs, dict):
+        raise MalformedMessage(f"body kwargs must be an object, not {_repr.repr(kwargs)}")
+    return list(args), kwargs
+
+
+def _loads(body: bytes | str, content_type: str | None, content_encoding: str | None) -> Any:
     try:
-        decoded = loads(body, content_type, content_encoding, accept=ACCEPT_CONTENT)
+        return loads(body, content_type, content_encoding, accept=ACCEPT_CONTENT)
     except ContentDisallowed:
         raise MalformedMessage(
             f"content type {content_type!r} is not accepted (accepted: "
             f"{', '.join(sorted(ACCEPT_CONTENT))})") from None
     except (DecodeError, ValueError, UnicodeDecodeError) as exc:
         raise MalformedMessage(f"body is not valid {content_type}: {exc}") from None
-    if not isinstance(decoded, (list, tuple)) or len(decoded) != 3:
+
+
+# ---------------------------------------------------------------------- v2 or v1
+def read_request(headers: Mapping[str, Any] | None, body: bytes | str,
+                 content_type: str | None, content_encoding: str | None) -> Request:
+    """The request a message makes, or MalformedMessage saying why there is none. A v2
+    message is read from its headers alone (its body is the child's to decode); a message
+    without a ``task`` header is read as protocol v1, from its body."""
+    if _is_v2(headers):
+        return parse_request(headers)
+    return _read_v1(headers, body, content_type, content_encoding)[0]
+
+
+def read_message(headers: Mapping[str, Any] | None, body: bytes | str,
+                 content_type: str | None, content_encoding: str | None,
+                 ) -> tuple[Request, Body]:
+    """The request and the decoded body, v2 or v1, or MalformedMessage saying why not."""
+    if _is_v2(headers):
+        return parse_request(headers), decode_body(body, content_type, content_encoding)
+    return _read_v1(headers, body, content_type, content_encoding)
+
+
+def malformed_request(headers: Mapping[str, Any] | None, body: bytes | str,
+                      content_type: str | None, content_encoding: str | None,
+                      ) -> Request | None:
+    """What can be read of a message ``read_message`` refused: its id (and its task's name,
+    if it gives one) to store the failure under; None when it gives no id. Never raises."""
+    headers = headers or {}
+    task_id, task = headers.get("id"), headers.get("task")
+    if not _is_v2(headers) and not _is_name(task_id):
+        try:
+            fields = _loads(body, content_type, content_encoding)
+        except MalformedMessage:
+            fields = None
+        if isinstance(fields, dict):
+            task_id, task = fields.get("id"), fields.get("task")
+    if not _is_name(task_id):
+        return None
+    return Request(id=task_id, task=task if _is_name(task) else "?", headers=headers)
+
+
+def _is_v2(headers: Mapping[str, Any] | None) -> bool:
+    """Celery's own test: a v2 message has a ``task`` header, whatever its value."""
+    return headers is not None and "task" in headers
+
+
+def _is_name(value: Any) -> TypeGuard[str]:
+    return isinstance(value, str) and bool(value)
+
+
+# ---------------------------------------------------------------------- protocol v1
+def _read_v1(headers: Mapping[str, Any] | None, body: bytes | str,
+            content_type: str | None, content_encoding: str | None) -> tuple[Request, Body]:
+    """Read a message without a ``task`` header as protocol v1: its body a JSON object
+    naming its ``task`` (Celery's own test)."""
+    fields = _loads(body, content_type, content_encoding)
+    if not isinstance(fields, dict) or "task" not in fields:
         raise MalformedMessage(
-            "body must be the protocol v2 triple [args, kwargs, embed], "
-            f"got {_repr.repr(decoded)}")
-    args, kwargs, embed = decoded
-    if not isinstance(args, (list, tuple)):
-        raise MalformedMessage(f"body args must be a list, not {_repr.repr(args)}")
-    if not isinstance(kwargs, dict):
-        raise MalformedMessage(f"body kwargs must be an object, not {_repr.repr(kwargs)}")
-    if embed is not None and not isinstance(embed, dict):
-        raise MalformedMessage(f"body embed must be an object, not {_repr.repr(embed)}")
-    return list(args), kwargs, embed or {}
+            "no 'task' header (protocol v2), and the body is not a protocol v1 task "
+            f"(an object naming its 'task'): got {_repr.repr(fields)}")
+    try:
+        v2_headers, v2_body = v1_to_v2(fields, headers or {})
+        return parse_request(v2_headers), v2_body
+    except MalformedMessage as exc:
+        raise MalformedMessage(f"protocol v1 body (its fields read as v2 headers): {exc}"
+                               ) from None
 
 
-def countdown_to_eta(countdown: float, now: datetime | None = None) -> datetime:
-    return (now or utcnow()) + timedelta(seconds=countdown)
+def v1_to_v2(fields: Mapping[str, Any], headers: Mapping[str, Any],
+             ) -> tuple[dict[str, Any], Body]:
+    """The v2 headers and body a v1 body stands for. The message's own headers (a delivery
+    count, a redelivered mark) are kept; the body's fields take precedence over them.
+    ``taskset`` is v1's name for the group; ``utc = false`` means naive times are local."""
+    args, kwargs = fields.get("args"), fields.get("kwargs")
+    args, kwargs = _arguments([] if args is None else args, {} if kwargs is None else kwargs)
+    task_id = fields.get("id")
+    utc = fields.get("utc", True) is not False
+    v2_headers = dict(headers)
+    v2_headers.update({
+        "lang": "py",
+        "task": fields.get("task"),
+        "id": task_id,
+        "shadow": None,
+        "eta": _v1_time(fields.get("eta"), utc),
+        "expires": _v1_time(fields.get("expires"), utc),
+        "group": fields.get("group") or fields.get("taskset"),
+        "group_index": fields.get("group_index"),
+        "retries": fields.get("retries") or 0,
+        "timelimit": fields.get("timelimit") or [None, None],
+        "root_id": fields.get("root_id") or task_id,
+        "parent_id": fields.get("parent_id"),
+        "argsrepr": _repr.repr(tuple(args)),
+        "kwargsrepr": _repr.repr(kwargs),
+        "origin": fields.get("origin"),
+    })
+    embed = {"callbacks": fields.get("callbacks"), "errbacks": fields.get("errbacks"),
+             "chain": None, "chord": fields.get("chord")}
+    return v2_headers, (args, kwargs, embed)
+
+
+def _v1_time(value: Any, utc: bool) -> Any:
+    """A v1 time as v2 reads it: naive means UTC in v2, local time in a ``utc = false`` v1
+    body. What is not a date is passed on for ``parse_request`` to refuse."""
+    if utc or not isinstance(value, str):
+        return value
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return value
+    return (parsed if parsed.tzinfo else parsed.astimezone()).isoformat()

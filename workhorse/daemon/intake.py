@@ -12,7 +12,7 @@ from kombu.message import Message
 
 from ..exceptions import MalformedMessage, NotRegistered
 from ..outcome import Outcome, Policy
-from ..protocol import parse_request
+from ..protocol import Request, malformed_request, read_request
 from .delivery import Delivery, Stage
 from .current import Current
 from .holding import Holding
@@ -61,14 +61,13 @@ class Intake:
         """Look at one received message and place it. ``deliveries``: its delivery count,
         this delivery included, as the broker thread counted it on arrival."""
         try:
-            request = parse_request(message.headers)
+            request = read_request(message.headers, message.body, message.content_type,
+                                   message.content_encoding)
         except MalformedMessage as exc:
-            self.settlement.dead_letter_malformed(queue, message, str(exc))
+            self._malformed(queue, message, str(exc))
             return
         task = self.current.app.tasks.get(request.task)
-        self._seq += 1
-        delivery = Delivery(self._seq, queue, message, request, task,
-                            task_policy(task, self.current.settings), received=self.clock())
+        delivery = self._delivery(queue, message, request, task)
         if task is None:
             self.settlement.settle(delivery, Outcome.UNKNOWN_TASK,
                                    f"{NotRegistered(request.task)} (does the worker's app "
@@ -90,6 +89,23 @@ class Intake:
             self.schedule(delivery, (request.eta - now).total_seconds())
             return
         self.holding.buffer_last(delivery)
+
+    def _delivery(self, queue: str, message: Message, request: Request,
+                  task: Any) -> Delivery:
+        self._seq += 1
+        return Delivery(self._seq, queue, message, request, task,
+                        task_policy(task, self.current.settings), received=self.clock())
+
+    def _malformed(self, queue: str, message: Message, reason: str) -> None:
+        """Dead-letter it; if it gives a task id, FAILURE(MalformedMessage) is stored under
+        that id first, so a client waiting on the result is told instead of waiting."""
+        request = malformed_request(message.headers, message.body, message.content_type,
+                                    message.content_encoding)
+        if request is None:
+            self.settlement.dead_letter_malformed(queue, message, reason)
+            return
+        delivery = self._delivery(queue, message, request, None)
+        self.settlement.settle(delivery, Outcome.MALFORMED, reason)
 
     def expired(self, delivery: Delivery) -> bool:
         """Settle ``delivery`` as REVOKED if its ``expires`` has passed (not started)."""

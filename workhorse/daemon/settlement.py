@@ -24,7 +24,7 @@ from ..exceptions import (
     WorkerLostError,
 )
 from ..outcome import Action, Decision, Outcome, Store, decide
-from ..protocol import decode_body
+from ..protocol import read_message
 from ..states import FAILURE, REVOKED
 from .delivery import Delivery
 from .current import Current
@@ -167,7 +167,10 @@ class Settlement:
                         "lease ends or the connection closes", label, exc)
 
     def dead_letter_malformed(self, queue: str, message: Message, reason: str) -> None:
-        log.error("malformed message on %s dead-lettered to %s.dead: %s", queue, queue, reason)
+        """A malformed message that gives no task id: there is no result to fail, so it is
+        only dead-lettered (one that gives an id is settled as Outcome.MALFORMED)."""
+        log.error("malformed message on %s, giving no task id (no result stored), "
+                  "dead-lettered to %s.dead: %s", queue, queue, reason)
         try:
             self.broker.dead_letter(queue, message, f"malformed: {reason}", None,
                                     self.hostname, acked=False, or_requeue=True)
@@ -181,7 +184,7 @@ class Settlement:
             return
         request = delivery.request
         task_id = request.id
-        assert task_id is not None      # parse_request requires one
+        assert task_id is not None      # read_request and malformed_request require one
         info = {"task": request.task, "hostname": self.hostname,
                 "retries": request.retries, "group": request.group,
                 "parent_id": request.parent_id,
@@ -204,7 +207,8 @@ class Settlement:
             return
         message = delivery.message
         try:
-            _, _, embed = decode_body(message.body, message.content_type, message.content_encoding)
+            _, (_, _, embed) = read_message(message.headers, message.body, message.content_type,
+                                            message.content_encoding)
         except MalformedMessage:
             return
         if embed.get("chord"):
@@ -222,4 +226,6 @@ def _stored_exception(store: Store, task_name: str, detail: str | None) -> BaseE
         return NotRegistered(task_name)
     if store is Store.TOO_MANY:
         return TooManyDeliveries(detail)
+    if store is Store.MALFORMED:
+        return MalformedMessage(detail)
     raise ValueError(f"the supervisor stores no result for {store!r}")  # pragma: no cover

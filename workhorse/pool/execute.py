@@ -27,7 +27,7 @@ from ..exceptions import (
 from ..outcome import Outcome
 from ..backends import Claim
 from ..backends.encoding import describe_exception, safe_repr
-from ..protocol import Request, decode_body, parse_request
+from ..protocol import Request, malformed_request, read_message
 from ..states import FAILURE, SUCCESS
 from ..retrying import retry_countdown, should_autoretry
 from ..task import Context, Task
@@ -61,24 +61,29 @@ class TaskExecution:
 
     def run(self) -> Finished:
         job = self.job
-        request = parse_request(job.headers)   # the supervisor checked these already
+        try:
+            request, (args, kwargs, embed) = read_message(
+                job.headers, job.body, job.content_type, job.content_encoding)
+        except MalformedMessage as exc:
+            # Reported, not stored: the supervisor stores FAILURE(MalformedMessage) under
+            # the message's id as it dead-letters it, wherever it was found malformed.
+            seen = malformed_request(job.headers, job.body, job.content_type,
+                                     job.content_encoding)
+            log.error("%s[%s]: malformed message, not run: %s", job.task,
+                      seen.id if seen else "?", exc)
+            return Finished(Outcome.MALFORMED, str(exc))
         self.task_id = request.id
         self.label = f"{job.task}[{request.id}]"
         task = self.app.tasks.get(job.task)
         if task is None:   # the supervisor checks the registry first; never trust it blindly
             return Finished(Outcome.UNKNOWN_TASK, str(NotRegistered(job.task)))
-        try:
-            args, kwargs, embed = decode_body(job.body, job.content_type, job.content_encoding)
-        except MalformedMessage as exc:
-            log.error("%s: malformed message, dead-lettered: %s", self.label, exc)
-            return Finished(Outcome.MALFORMED, str(exc))
         self.task = task
         self.context = Context(
             id=request.id, task=job.task, args=args, kwargs=kwargs, retries=request.retries,
             root_id=request.root_id, parent_id=request.parent_id, group=request.group,
             group_index=request.group_index, origin=request.origin, eta=request.eta,
             expires=request.expires, hostname=self.hostname, delivery_info=job.delivery_info,
-            headers=job.headers, timelimit=(request.time_limit, request.soft_time_limit),
+            headers=dict(request.headers), timelimit=(request.time_limit, request.soft_time_limit),
             called_directly=False, priority=job.priority, queue=job.queue,
             callbacks=embed.get("callbacks"), errbacks=embed.get("errbacks"),
             chain=embed.get("chain"), chord=embed.get("chord"))
