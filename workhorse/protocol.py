@@ -24,6 +24,14 @@ from .exceptions import MalformedMessage
 #: The delivery count a copy workhorse re-publishes carries (deliveries of the message
 #: before the copy that may have ended in a loss: SEMANTICS.md "delivery count").
 DELIVERIES_HEADER = "x-workhorse-deliveries"
+#: Dead letters of a queue go to ``<queue>.dead``, with headers saying why, which task,
+#: when, from which queue and by which worker (SEMANTICS.md "settle").
+DEAD_SUFFIX = ".dead"
+DEAD_REASON_HEADER = "x-workhorse-dead-reason"
+DEAD_TASK_HEADER = "x-workhorse-dead-task-id"
+DEAD_AT_HEADER = "x-workhorse-dead-at"
+DEAD_QUEUE_HEADER = "x-workhorse-dead-queue"
+DEAD_WORKER_HEADER = "x-workhorse-dead-worker"
 #: The content types a worker accepts; pickle is refused because it runs code on load.
 ACCEPT_CONTENT = frozenset({"application/json"})
 ORIGIN = f"gen{os.getpid()}@{socket.gethostname()}"
@@ -110,6 +118,10 @@ def build_message(
 
 def countdown_to_eta(countdown: float, now: datetime | None = None) -> datetime:
     return (now or utcnow()) + timedelta(seconds=countdown)
+
+
+def dead_letter_queue(queue: str) -> str:
+    return queue + DEAD_SUFFIX
 
 
 def format_datetime(value: datetime | None) -> str | None:

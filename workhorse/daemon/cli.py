@@ -4,10 +4,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import asdict
+
+from kombu import Connection
 
 from .. import __version__
 from ..app import App
@@ -20,7 +23,9 @@ from ..config import (
     render_settings,
 )
 from ..exceptions import AppImportError
+from ..protocol import dead_letter_queue
 from .appload import AppModules
+from .deadletters import Done, list_dead, purge_dead, requeue_dead
 from .exitcodes import ExitCode
 
 LOG_FORMAT = "[%(asctime)s %(levelname)s %(processName)s %(process)d] %(message)s"
@@ -48,9 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
         "dead", help="look at, replay or drop dead-lettered messages",
         description="Dead letters of each consumed queue are in <queue>.dead.")
     dead.add_argument("action", choices=("list", "requeue", "purge"))
-    dead.add_argument("task_ids", nargs="*", metavar="TASK_ID",
-                      help="requeue/purge only these tasks (else give --all)")
-    dead.add_argument("--all", action="store_true", help="requeue/purge every dead letter")
+    dead.add_argument("task_ids", nargs="*", metavar="ID",
+                      help="requeue/purge only these dead letters, by the id `list` shows: "
+                           "a task id, or unreadable-… (else give --all)")
+    dead.add_argument("--all", action="store_true",
+                      help="requeue/purge every dead letter but the unreadable ones")
     dead.add_argument("--dead-queue", metavar="NAME",
                       help="a queue holding dead letters other than <queue>.dead (e.g. the "
                            "queue behind a RabbitMQ dead-letter exchange)")
@@ -131,33 +138,64 @@ def _worker(args: argparse.Namespace, settings: Settings, app: App | None,
 
 
 def _dead(args: argparse.Namespace, settings: Settings, app: App | None) -> int:
-    from .consumer import dead_letter_queue
-    from .deadletters import list_dead, purge_dead, requeue_dead
     if args.action != "list" and not args.all and not args.task_ids:
-        print(f"workhorse: dead {args.action}: name the task ids, or give --all",
-              file=sys.stderr)
+        print(f"workhorse: dead {args.action}: name the ids (as dead list shows them), or "
+              "give --all", file=sys.stderr)
         return ExitCode.CONFIG
     if args.action == "list" and (args.all or args.task_ids):
-        print("workhorse: dead list takes no task ids", file=sys.stderr)
+        print("workhorse: dead list takes no ids", file=sys.stderr)
         return ExitCode.CONFIG
     app = app or App("workhorse-dead")
     app.configure(settings)
-    ids = None if args.all else args.task_ids
     pairs = ([(args.dead_queue, settings.queues[0])] if args.dead_queue
              else [(dead_letter_queue(q), q) for q in settings.queues])
-    with app.connection() as connection:
-        for dead_queue, home in pairs:
+    try:
+        with app.connection() as connection:
             if args.action == "list":
-                for letter in list_dead(connection, dead_queue, args.limit):
-                    if args.json:
-                        print(json.dumps({"dead_queue": dead_queue, **asdict(letter)}))
-                    else:
-                        print(f"{dead_queue}\t{letter.task_id}\t{letter.task}\t"
-                              f"{letter.dead_at}\t{letter.reason}")
-            elif args.action == "requeue":
-                count = requeue_dead(connection, dead_queue, ids, home)
-                print(f"{dead_queue}: requeued {count}")
+                status = _dead_list(connection, pairs, args.limit, args.json)
             else:
-                count = purge_dead(connection, dead_queue, ids)
-                print(f"{dead_queue}: purged {count}")
+                status = _dead_act(connection, pairs, args.action,
+                                   None if args.all else args.task_ids)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (``| head``): stop quietly, as command-line tools do. What
+        # is not written yet would fail again at exit: write it nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return ExitCode.OK if args.action == "list" else ExitCode.FAILURE
+    return status
+
+
+def _dead_list(connection: Connection, pairs: list[tuple[str, str]], limit: int,
+               as_json: bool) -> int:
+    for dead_queue, _ in pairs:
+        for letter in list_dead(connection, dead_queue, limit):
+            if as_json:
+                print(json.dumps({"dead_queue": dead_queue, **asdict(letter)}))
+            else:
+                print(f"{dead_queue}\t{letter.id}\t{letter.task}\t{letter.dead_at}\t"
+                      f"{letter.reason}")
     return ExitCode.OK
+
+
+def _dead_act(connection: Connection, pairs: list[tuple[str, str]], action: str,
+              ids: list[str] | None) -> int:
+    """Requeue or purge, one line per dead letter acted on or named; FAILURE when something
+    named could not be done."""
+    failed = False
+    found: set[str] = set()
+
+    def report(done: Done) -> None:
+        nonlocal failed
+        failed = failed or not done.ok
+        found.add(done.id)
+        print(f"{done.dead_queue}\t{done.id}\t{done.what}")
+    wanted = None if ids is None else set(ids)
+    for dead_queue, home in pairs:
+        if action == "requeue":
+            requeue_dead(connection, dead_queue, wanted, home, report)
+        else:
+            purge_dead(connection, dead_queue, wanted, report)
+    for missing in sorted((wanted or set()) - found):
+        failed = True
+        print(f"{', '.join(dead for dead, _ in pairs)}\t{missing}\tnot found")
+    return ExitCode.FAILURE if failed else ExitCode.OK

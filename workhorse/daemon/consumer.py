@@ -26,18 +26,19 @@ from kombu.message import Message
 
 from ..app import BROKER_TIMEOUT, App
 from ..queues import DeadLetterTarget, ensure_queue, rabbitmq_dead_letter_target
-from ..protocol import DELIVERIES_HEADER
+from ..protocol import (
+    DEAD_AT_HEADER,
+    DEAD_QUEUE_HEADER,
+    DEAD_REASON_HEADER,
+    DEAD_TASK_HEADER,
+    DEAD_WORKER_HEADER,
+    DELIVERIES_HEADER,
+    dead_letter_queue,
+)
 from ..transport.redis import Channel as RedisChannel, ListWaiter
 from .counting import BROKER_HEADERS, RabbitMQ, earlier_deliveries, parse_version
 
 log = logging.getLogger("workhorse.consumer")
-
-DEAD_SUFFIX = ".dead"
-DEAD_REASON_HEADER = "x-workhorse-dead-reason"
-DEAD_TASK_HEADER = "x-workhorse-dead-task-id"
-DEAD_AT_HEADER = "x-workhorse-dead-at"
-DEAD_QUEUE_HEADER = "x-workhorse-dead-queue"
-DEAD_WORKER_HEADER = "x-workhorse-dead-worker"
 
 #: Message properties carried over when a message is re-published (dead-letter, requeue).
 _KEPT_PROPERTIES = ("correlation_id", "reply_to", "priority")
@@ -55,10 +56,6 @@ OnLost = Callable[[BaseException], None]
 
 class BrokerUnavailable(ConnectionError):
     """The worker is between broker connections."""
-
-
-def dead_letter_queue(queue: str) -> str:
-    return queue + DEAD_SUFFIX
 
 
 class BrokerConsumer:

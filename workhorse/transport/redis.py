@@ -35,6 +35,13 @@ messages for long (Celery's well-known duplicates):
    them counted. Acking (or dead-lettering) removes the count with the lease; a counted
    message deleted from its list otherwise (a purge) leaves its entry behind.
 
+5. An entry that is not kombu's JSON with a delivery tag (written by another program, or by
+   hand) can be neither delivered nor put back. The take leaves it where it is and says
+   so; the channel then replaces it, in one script that checks it is still there, by a
+   readable envelope in ``<queue>.dead`` (``workhorse.transport.unreadable``). An entry
+   the script could read but Python cannot (invalid UTF-8, a body that is not base64) is
+   replaced by its envelope the same way, from its unacked entry, while the lease is ours.
+
 The keys and the message layout are kombu's own: Celery producers feed these workers, and
 kombu's sweep (run by every consumer) restores what a dead worker held. Celery *workers*
 should not consume from the same Redis database: they renew nothing, so a workhorse
@@ -50,6 +57,9 @@ from typing import Any
 
 from kombu.transport import redis, virtual
 from kombu.utils.json import dumps, loads
+
+from ..protocol import dead_letter_queue
+from . import unreadable
 
 log = logging.getLogger("workhorse.transport.redis")
 
@@ -81,21 +91,20 @@ return 0
 """
 # Take the next message off the first non-empty list, record it as unacked and count the
 # delivery, in one step. KEYS: unacked_index, unacked, delivery_counts, then the lists in
-# order. ARGV: the score, then each list's dead-letter list. Returns {position of the list,
-# message, delivery count}, or nil. A message that is not kombu's JSON with a delivery tag
-# cannot be acked or put back: it goes to the dead-letter list as it is, and its position
-# is returned negative.
+# order. ARGV: the score. Returns {position of the list, message, delivery count, delivery
+# tag}, or nil. An entry that is not kombu's JSON with a delivery tag cannot be acked or
+# put back: it is left in place, and returned with its list's position negated.
 _TAKE = """
 for i = 4, #KEYS do
-    local payload = redis.call('RPOP', KEYS[i])
+    local payload = redis.call('LINDEX', KEYS[i], -1)
     if payload then
         local ok, message = pcall(cjson.decode, payload)
         local props = ok and type(message) == 'table' and message['properties']
         local tag = type(props) == 'table' and props['delivery_tag']
         if type(tag) ~= 'string' then
-            redis.call('LPUSH', ARGV[i - 2], payload)
             return {3 - i, payload}
         end
+        redis.call('RPOP', KEYS[i])
         local info = props['delivery_info']
         if type(info) ~= 'table' then info = {} end
         local exchange, routing_key = info['exchange'], info['routing_key']
@@ -105,10 +114,34 @@ for i = 4, #KEYS do
         redis.call('HSET', KEYS[2], tag, '[' .. payload .. ',' .. cjson.encode(exchange)
                    .. ',' .. cjson.encode(routing_key) .. ']')
         local count = redis.call('HINCRBY', KEYS[3], tag, 1)
-        return {i - 3, payload, count}
+        return {i - 3, payload, count, tag}
     end
 end
 return nil
+"""
+# Replace an unreadable entry, still next in its list, by its envelope in the dead-letter
+# list. KEYS: the list, the dead-letter list. ARGV: the entry, its envelope.
+_BURY_NEXT = """
+if redis.call('LINDEX', KEYS[1], -1) == ARGV[1] then
+    redis.call('RPOP', KEYS[1])
+    redis.call('LPUSH', KEYS[2], ARGV[2])
+    return 1
+end
+return 0
+"""
+# Replace a taken message Python cannot read by its envelope, while the lease is ours.
+# KEYS: unacked_index, unacked, delivery_counts, the dead-letter list. ARGV: tag, our
+# score, the envelope.
+_BURY_TAKEN = """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if score and tonumber(score) == tonumber(ARGV[2]) then
+    redis.call('ZREM', KEYS[1], ARGV[1])
+    redis.call('HDEL', KEYS[2], ARGV[1])
+    redis.call('HDEL', KEYS[3], ARGV[1])
+    redis.call('LPUSH', KEYS[4], ARGV[3])
+    return 1
+end
+return 0
 """
 # KEYS: unacked_index. ARGV: new score, then (tag, our score) pairs. Returns the lost tags.
 _RENEW_IF_OURS = """
@@ -321,23 +354,23 @@ class Channel(redis.Channel):
         if not queues:
             return False
         keys = self.list_keys(queues)
-        dead = [key.rsplit(self.sep, 1)[0] + ".dead" for key in keys]
         score = time()
         with self.conn_or_acquire() as client:
             reply = client.eval(_TAKE, 3 + len(keys), self.unacked_index_key,
-                                self.unacked_key, self.delivery_counts_key, *keys,
-                                repr(score), *dead)
+                                self.unacked_key, self.delivery_counts_key, *keys, repr(score))
         if reply is None:
             return False
         position, payload = reply[0], reply[1]
         if position < 0:
-            log.error("an unreadable message on %s (not kombu's JSON with a delivery tag) "
-                      "was moved to %s: %.200r", keys[-position - 1], dead[-position - 1],
-                      payload)
+            self._bury_next(keys[-position - 1], payload)
             return True
-        queue = keys[position - 1].rsplit(self.sep, 1)[0]
+        queue = self._queue_of(keys[position - 1])
         self._queue_cycle.rotate(queue)
-        message = loads(payload)
+        message, why = unreadable.read(payload, tagged=True)
+        if message is None:
+            tag = reply[3].decode() if isinstance(reply[3], bytes) else reply[3]
+            self._bury_taken(queue, tag, score, payload, why or "")
+            return True
         properties = message["properties"]
         info = properties.get("delivery_info")
         if not isinstance(info, dict):
@@ -346,6 +379,33 @@ class Channel(redis.Channel):
         self.qos._taken[properties["delivery_tag"]] = score
         self.connection._deliver(message, queue)
         return True
+
+    def _queue_of(self, key: str) -> str:
+        return key.rsplit(self.sep, 1)[0]
+
+    def _bury_next(self, key: str, payload: bytes) -> None:
+        """Dead-letter the unreadable entry next in ``key``, in its envelope."""
+        queue = self._queue_of(key)
+        _, why = unreadable.read(payload, tagged=True)
+        dead = dead_letter_queue(queue)
+        with self.conn_or_acquire() as client:
+            buried = client.eval(_BURY_NEXT, 2, key, dead, payload,
+                                 unreadable.envelope(payload, why or "", queue))
+        if buried:     # (else another worker took it first)
+            log.error("an unreadable entry on %s (%s) was dead-lettered to %s in an "
+                      "envelope: %.200r", queue, why, dead, payload)
+
+    def _bury_taken(self, queue: str, tag: str, score: float, payload: bytes,
+                    why: str) -> None:
+        """Dead-letter a message taken but unreadable here, in its envelope."""
+        dead = dead_letter_queue(queue)
+        with self.conn_or_acquire() as client:
+            buried = client.eval(_BURY_TAKEN, 4, self.unacked_index_key, self.unacked_key,
+                                 self.delivery_counts_key, dead, tag, repr(score),
+                                 unreadable.envelope(payload, why, queue))
+        if buried:     # (else the lease was lost already: whoever holds it now decides)
+            log.error("an unreadable message on %s (%s) was dead-lettered to %s in an "
+                      "envelope: %.200r", queue, why, dead, payload)
 
 
 class ListWaiter:

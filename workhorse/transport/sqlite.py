@@ -18,6 +18,10 @@ a lease that expires, or a channel closed holding it, leaves it counted. A messa
 before (``delivery_count`` > 1) is marked ``redelivered`` in ``delivery_info`` and in its
 headers, as kombu's Redis transport marks restored messages.
 
+A row kombu cannot read (its payload is not kombu's JSON: written by another program or by
+hand) is replaced, in the transaction that checks our lease, by a readable envelope at the
+end of ``<queue>.dead`` (``workhorse.transport.unreadable``).
+
 Routing: publishing to the anonymous exchange ``""`` puts the message straight into the
 queue named by the routing key (what Celery and workhorse do by default). Bindings made by
 ``queue_bind`` are stored in the file, so direct, topic and fanout routing work across
@@ -26,7 +30,7 @@ it as direct).
 """
 from __future__ import annotations
 
-import json
+import logging
 from pathlib import Path
 from collections.abc import Iterable
 from queue import Empty
@@ -35,7 +39,11 @@ from typing import Any
 from kombu.transport import virtual
 from kombu.utils.json import dumps
 
+from ..protocol import dead_letter_queue
+from . import unreadable
 from .store import Store, parse_tag
+
+log = logging.getLogger("workhorse.transport.sqlite")
 
 DEFAULT_VISIBILITY_TIMEOUT = 3600.0
 
@@ -96,19 +104,32 @@ class Channel(virtual.Channel):
         self.store.put(queue, dumps(message), int(priority))
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
-        leased = self.store.lease(queue, self.visibility_timeout)
-        if leased is None:
-            raise Empty()
-        ident, token, payload, deliveries = leased
-        message = json.loads(payload)
-        properties = message.setdefault("properties", {})
+        while True:
+            leased = self.store.lease(queue, self.visibility_timeout)
+            if leased is None:
+                raise Empty()
+            ident, token, payload, deliveries = leased
+            message, why = unreadable.read(payload, tagged=False)
+            if message is not None:
+                break
+            self._bury(queue, (ident, token), payload, why or "")
+        properties = message["properties"]
         properties["delivery_tag"] = f"{ident}:{token}"
-        info = properties.setdefault("delivery_info", {})
+        info = properties.get("delivery_info")
+        if not isinstance(info, dict):
+            info = properties["delivery_info"] = {}
         info["delivery_count"] = deliveries
         if deliveries > 1:
             info["redelivered"] = True
-            message.setdefault("headers", {})["redelivered"] = True
+            message["headers"] = {**(message.get("headers") or {}), "redelivered": True}
         return message
+
+    def _bury(self, queue: str, lease: tuple[int, str], payload: bytes | str, why: str) -> None:
+        """Dead-letter an entry that cannot be delivered, in its readable envelope."""
+        dead = dead_letter_queue(queue)
+        if self.store.bury(lease, dead, unreadable.envelope(payload, why, queue)):
+            log.error("an unreadable entry on %s (%s) was dead-lettered to %s in an "
+                      "envelope: %.200r", queue, why, dead, payload)
 
     def renew(self, tags: Iterable[str]) -> list[str]:
         """Extend the leases behind these delivery tags; return the tags whose lease is lost."""

@@ -148,6 +148,33 @@ class Store:
                 raise
         return alive
 
+    def bury(self, lease: Lease, dead_queue: str, payload: str) -> bool:
+        """Replace a leased message by ``payload`` at the end of ``dead_queue``, in one
+        transaction; False (nothing changed) if the lease was lost."""
+        with self._lock:
+            conn = self.conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                cur = conn.execute("DELETE FROM messages WHERE id = ? AND lease_token = ?",
+                                   lease)
+                if cur.rowcount == 1:
+                    conn.execute("INSERT INTO messages (queue, payload, created_at) "
+                                 "VALUES (?, ?, ?)", (dead_queue, payload, time.time()))
+                    conn.execute("INSERT OR IGNORE INTO queues (name) VALUES (?)",
+                                 (dead_queue,))
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        return cur.rowcount == 1
+
+    def remove(self, queue: str, ident: int) -> bool:
+        """Delete a message that nobody holds (see ``browse``); False if it is leased or gone."""
+        with self._lock:
+            cur = self.conn.execute("DELETE FROM messages WHERE id = ? AND queue = ? AND "
+                                    "lease_until <= ?", (ident, queue, time.time()))
+            return cur.rowcount == 1
+
     def size(self, queue: str) -> int:
         """Messages available now (not leased)."""
         with self._lock:

@@ -1,0 +1,152 @@
+"""Entries the SQLite and Redis transports cannot read: what makes one unreadable, and the
+envelope that keeps it, readable, in the dead-letter queue (replacing it in one step)."""
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+from kombu import Connection, Consumer, Producer
+
+from workhorse.protocol import DEAD_QUEUE_HEADER, DEAD_REASON_HEADER
+from workhorse.queues import ensure_queue
+from workhorse.transport import REDIS as REDIS_TRANSPORT
+from workhorse.transport import unreadable
+from workhorse.transport.redis import _BURY_NEXT
+from workhorse.transport.store import Store
+
+from .conftest import REDIS_URL, require_service, wait_until
+
+TAGGED = {"body": "", "properties": {"delivery_tag": "t1", "body_encoding": "base64"}}
+
+
+@pytest.mark.parametrize(("raw", "why"), [
+    (b"", "an empty entry"),
+    (b"garbage{", "not JSON"),
+    (b'{"properties": {"delivery_tag": "\xff"}}', "not JSON"),     # not UTF-8
+    (b"[1, 2]", "JSON list, not kombu's message object"),
+    (b'{"body": "e30="}', "no properties object"),
+    (b'{"properties": {}}', "no delivery tag"),
+    (json.dumps({**TAGGED, "headers": [1]}).encode(), "headers are not an object"),
+    (json.dumps({**TAGGED, "body": 5}).encode(), "body is JSON int, not a string"),
+    (json.dumps({**TAGGED, "body": "abc"}).encode(), "body is not base64"),
+    (json.dumps({**TAGGED, "properties": {"delivery_tag": "t", "body_encoding": "rot13"}}
+                ).encode(), "unknown body_encoding 'rot13'"),
+])
+def test_each_kind_of_unreadable_entry_is_named(raw, why):
+    message, reason = unreadable.read(raw, tagged=True)
+    assert message is None and reason.startswith(why)
+
+
+def test_kombus_own_messages_are_readable():
+    assert unreadable.read(json.dumps(TAGGED), tagged=True)[0] == TAGGED
+    assert unreadable.read('{"properties": {}}', tagged=False)[0] == {"properties": {}}
+
+
+def test_the_envelope_is_a_readable_message_carrying_the_entry_as_it_was():
+    raw = b"\xff\x00not a message{"
+    message, why = unreadable.read(unreadable.envelope(raw, "not JSON", "q"), tagged=True)
+    assert why is None and unreadable.body(message) == raw
+    assert message["headers"][DEAD_REASON_HEADER] == "unreadable: not JSON"
+    assert message["headers"][DEAD_QUEUE_HEADER] == "q"
+    assert unreadable.is_envelope(message["headers"])
+    assert message["properties"]["delivery_info"]["routing_key"] == "q.dead"
+
+
+# ---------------------------------------------------------------------------- Redis
+@pytest.fixture
+def redis_queue():
+    require_service("Redis", 6379)
+    queue = f"t-{uuid.uuid4().hex[:10]}"
+    yield queue
+    redis.Redis.from_url(REDIS_URL).delete(queue, queue + ".dead")
+
+
+def _taking(conn: Connection, queue: str) -> tuple[object, list]:
+    """A channel consuming ``queue`` as the worker does (Channel.take), and what it got."""
+    channel = conn.channel()
+    got: list = []
+    Consumer(channel, [ensure_queue(conn, queue)], on_message=got.append,
+             no_ack=False).consume()
+    return channel, got
+
+
+def _dead_envelopes(server: redis.Redis, queue: str) -> list[dict]:
+    return [json.loads(e) for e in reversed(server.lrange(queue + ".dead", 0, -1))]
+
+
+def test_redis_take_replaces_a_raw_entry_by_its_envelope_and_goes_on(redis_queue):
+    server = redis.Redis.from_url(REDIS_URL)
+    server.lpush(redis_queue, b"\xff raw")
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        Producer(conn).publish({"n": 1}, exchange="", routing_key=redis_queue)
+        channel, got = _taking(conn, redis_queue)
+        wait_until(lambda: channel.take() and got, 5, "the message behind it to be taken")
+        assert got[0].payload == {"n": 1}
+        got[0].ack()
+    [envelope] = _dead_envelopes(server, redis_queue)
+    assert base64.b64decode(envelope["body"]) == b"\xff raw"
+    assert envelope["headers"][DEAD_REASON_HEADER].startswith("unreadable: not JSON")
+    assert server.llen(redis_queue) == 0
+
+
+def test_redis_leaves_an_unreadable_entry_alone_once_it_is_no_longer_next(redis_queue):
+    """The envelope replaces the entry only if it is still next in its list (another
+    worker may have dead-lettered it meanwhile, and the next may be a message)."""
+    server = redis.Redis.from_url(REDIS_URL)
+    server.lpush(redis_queue, b"next")
+    assert server.eval(_BURY_NEXT, 2, redis_queue, redis_queue + ".dead", b"other",
+                       b"envelope") == 0
+    assert server.lrange(redis_queue, 0, -1) == [b"next"]
+    assert server.llen(redis_queue + ".dead") == 0
+
+
+def test_redis_replaces_a_taken_message_python_cannot_read_by_its_envelope(redis_queue):
+    """Lua's JSON reads it (a delivery tag), Python's does not (the body is not base64):
+    its lease, unacked entry and delivery count go, its envelope goes to the dead list."""
+    server = redis.Redis.from_url(REDIS_URL)
+    raw = json.dumps({"body": "abc", "headers": {},
+                      "properties": {"delivery_tag": "bad-tag", "body_encoding": "base64"}})
+    server.lpush(redis_queue, raw)
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        channel, got = _taking(conn, redis_queue)
+        assert channel.take()           # taken, and dead-lettered at once
+        assert got == [] and not channel.take()
+    assert server.zscore("unacked_index", "bad-tag") is None
+    assert not server.hexists("unacked", "bad-tag")
+    assert not server.hexists("delivery_counts", "bad-tag")
+    [envelope] = _dead_envelopes(server, redis_queue)
+    assert base64.b64decode(envelope["body"]).decode() == raw
+    assert envelope["headers"][DEAD_REASON_HEADER].startswith("unreadable: body is not base64")
+
+
+# ---------------------------------------------------------------------------- SQLite
+def test_sqlite_replaces_an_unreadable_row_by_its_envelope_and_goes_on(tmp_path: Path):
+    url = f"sqlite:///{tmp_path / 'broker.sqlite3'}"
+    store = Store(tmp_path / "broker.sqlite3")
+    store.put("q", "garbage{")
+    with Connection(url) as conn:
+        queue = conn.SimpleQueue("q")
+        queue.put({"n": 1})
+        message = queue.get(timeout=5)
+        assert message.payload == {"n": 1}
+        message.ack()
+    [(_, payload, deliveries, leased)] = store.browse("q.dead")
+    assert deliveries == 0 and not leased
+    envelope = json.loads(payload)
+    assert base64.b64decode(envelope["body"]) == b"garbage{"
+    assert envelope["headers"][DEAD_REASON_HEADER].startswith("unreadable: not JSON")
+    assert store.browse("q") == []
+
+
+def test_sqlite_bury_changes_nothing_once_the_lease_is_lost(tmp_path: Path):
+    store = Store(tmp_path / "broker.sqlite3")
+    store.put("q", "garbage{")
+    ident, token, _, _ = store.lease("q", visibility_timeout=0.01)
+    # The lease expires and another consumer takes the row.
+    wait_until(lambda: store.lease("q", 60), 5, "the lease to expire")
+    assert not store.bury((ident, token), "q.dead", "envelope")
+    assert store.browse("q.dead") == [] and len(store.browse("q")) == 1

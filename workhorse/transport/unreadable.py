@@ -1,0 +1,96 @@
+"""Entries the SQLite and Redis transports cannot read, and the envelope that keeps them.
+
+Both store a message as kombu's JSON: ``{"body", "content-type", "content-encoding",
+"headers", "properties": {"body_encoding", "delivery_tag", "delivery_info", ...}}``.
+Anything else on a queue (written by another program or by hand, or cut short) cannot be
+delivered, acked or put back. It is dead-lettered in an *envelope*: a message of that form
+whose body is the entry's bytes as they were (base64, as kombu encodes bodies), and whose
+headers say ``unreadable: <why>``, when, and from which queue. The envelope replaces the
+entry in one step, so the entry is always in one place or the other.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from kombu.utils.json import loads
+
+from ..protocol import DEAD_AT_HEADER, DEAD_QUEUE_HEADER, DEAD_REASON_HEADER, dead_letter_queue
+
+#: How the reason of an envelope starts.
+UNREADABLE = "unreadable"
+#: The envelope's body is the entry as it was: bytes of no known type.
+RAW_CONTENT_TYPE = "application/octet-stream"
+
+
+def read(raw: bytes | str, *, tagged: bool) -> tuple[dict[str, Any] | None, str | None]:
+    """``(message, None)`` for an entry kombu can deliver, else ``(None, why)``.
+    ``tagged``: the entry must carry its delivery tag (Redis keeps it in the entry; the
+    SQLite transport makes a fresh one for each lease)."""
+    if not raw:
+        return None, "an empty entry"
+    try:
+        message = loads(raw)
+    except (ValueError, TypeError) as exc:   # UnicodeDecodeError, kombu's typed values
+        return None, f"not JSON ({exc})"
+    if not isinstance(message, dict):
+        return None, f"JSON {type(message).__name__}, not kombu's message object"
+    properties = message.get("properties")
+    if not isinstance(properties, dict):
+        return None, "no properties object"
+    if tagged and not isinstance(properties.get("delivery_tag"), str):
+        return None, "no delivery tag"
+    if not isinstance(message.get("headers") or {}, dict):
+        return None, "headers are not an object"
+    body, encoding = message.get("body"), properties.get("body_encoding")
+    if body is not None and not isinstance(body, str):
+        return None, f"body is JSON {type(body).__name__}, not a string"
+    if encoding is not None and encoding != "base64" and str(encoding).lower() != "utf-8":
+        return None, f"unknown body_encoding {encoding!r}"
+    if body and encoding == "base64":
+        try:
+            base64.b64decode(body)     # as kombu decodes it
+        except (binascii.Error, ValueError) as exc:
+            return None, f"body is not base64 ({exc})"
+    return message, None
+
+
+def body(message: dict[str, Any]) -> bytes | str | None:
+    """The body of a message ``read`` accepted, decoded as kombu decodes it."""
+    value = message.get("body")
+    if value and message["properties"].get("body_encoding") == "base64":
+        return base64.b64decode(value)
+    return value
+
+
+def envelope(raw: bytes | str, why: str, queue: str, now: datetime | None = None) -> str:
+    """kombu's JSON for a dead letter holding ``raw``, an entry of ``queue`` that could not
+    be read because of ``why``."""
+    data = raw.encode("utf-8", "surrogateescape") if isinstance(raw, str) else raw
+    headers = {
+        DEAD_REASON_HEADER: f"{UNREADABLE}: {why}",
+        DEAD_AT_HEADER: (now or datetime.now(UTC)).isoformat(),
+        DEAD_QUEUE_HEADER: queue,
+    }
+    return json.dumps({
+        "body": base64.b64encode(data).decode("ascii"),
+        "content-type": RAW_CONTENT_TYPE,
+        "content-encoding": "binary",
+        "headers": headers,
+        "properties": {
+            "body_encoding": "base64",
+            "delivery_tag": str(uuid.uuid4()),
+            "delivery_info": {"exchange": "", "routing_key": dead_letter_queue(queue)},
+            "delivery_mode": 2,
+            "priority": 0,
+        },
+    })
+
+
+def is_envelope(headers: dict[str, Any]) -> bool:
+    reason = headers.get(DEAD_REASON_HEADER)
+    return isinstance(reason, str) and reason.startswith(f"{UNREADABLE}:")
