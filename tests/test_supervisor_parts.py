@@ -212,7 +212,7 @@ def test_a_malformed_message_without_an_id_is_dead_lettered_and_nothing_stored()
     intake, app, broker, _, _ = make_intake(clock)
     m = message()
     del m.headers["id"]
-    intake.accept("q", m)
+    intake.accept("q", m, 1)
     assert broker.calls == [("dead_letter", None)] and app.backend.stored == []
 
 
@@ -222,7 +222,7 @@ def test_a_store_outage_holds_a_malformed_message_until_its_failure_is_stored():
     m = message()
     m.headers["eta"] = "tomorrow"
     app.backend.fail = ConnectionError("store down")
-    intake.accept("q", m)
+    intake.accept("q", m, 1)
     assert broker.calls == [] and len(holding.storing) == 1
     app.backend.fail = None
     clock.advance(loop, 1.0)
@@ -237,7 +237,7 @@ def test_a_protocol_v1_message_is_read_from_its_body_and_buffered():
     m.headers = {}
     m.body = (b'{"task": "t.add", "id": "v1-id", "args": [1, 2], "kwargs": {}, '
               b'"retries": 0, "eta": null, "expires": null, "utc": true}')
-    intake.accept("q", m)
+    intake.accept("q", m, 1)
     (buffered,) = holding.buffer
     assert (buffered.request.task, buffered.request.id) == ("t.add", "v1-id")
     assert broker.calls == []
