@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 import os
 import sqlite3
 import subprocess
@@ -24,7 +25,7 @@ from workhorse.backends.sqlite import ResultStoreFileError, SQLiteBackend
 from workhorse.transport import store as store_module
 from workhorse.transport.store import BrokerFileError, Store
 
-from .conftest import BrokerEnv, make_broker, runs, wait_until, worker_env
+from .conftest import BrokerEnv, Worker, make_broker, runs, wait_until, worker_env
 
 #: A payload that needs pages of its own: it cannot fit in what a capped file has.
 BIG = "x" * 50_000
@@ -347,3 +348,58 @@ def test_a_full_disk_is_ridden_out_and_work_resumes_when_space_returns(
     finally:
         app.close()
     assert worker.proc.poll() is None
+
+
+def _without_root_file_access() -> list[str]:
+    """As root the worker drops the capabilities that let it write read-only files."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("as root, read-only files need setpriv to run the worker without "
+                    "CAP_DAC_OVERRIDE")
+    return [setpriv, "--bounding-set", "-dac_override,-dac_read_search"]
+
+
+@pytest.mark.timeout(180)
+def test_read_only_broker_and_result_files_lose_nothing(tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    data.mkdir()
+    broker = BrokerEnv("sqlite", f"sqlite:///{data / 'broker.sqlite3'}", "ro")
+    results = data / "results.sqlite3"
+    # One task per child: each child opens the result store anew, read-only once it is.
+    env = worker_env(broker, tmp_path, result_backend=f"sqlite:///{results}",
+                     max_tasks_per_child=1)
+    worker = Worker(tmp_path, env, ["-A", "tests.apps.basic"], wrapper=_without_root_file_access())
+    app = _client(monkeypatch, env)
+    try:
+        worker.wait_ready()
+        first = app.send_task("tests.apps.basic.record")
+        wait_until(lambda: _succeeded(app, [first.id]), 20, "a result, so its files exist")
+        # Both children busy when the files turn read-only: every result fails to store.
+        ids = [app.send_task("tests.apps.basic.record", (1.0,)).id for _ in range(2)]
+        ids += [app.send_task("tests.apps.basic.record").id for _ in range(6)]
+        files = sorted(data.glob("*.sqlite3*"))
+        for file in files:
+            file.chmod(0o444)
+        data.chmod(0o555)
+        dead = Store(data / "broker.sqlite3")
+        try:
+            # Five seconds read-only: a tight loop (stored nothing, requeued, redelivered at
+            # once) uses up max_deliveries and dead-letters long before; retries back off.
+            read_only_until = time.monotonic() + 5
+            wait_until(lambda: dead.browse("ro.dead") or time.monotonic() > read_only_until,
+                       30, "five seconds of read-only files")
+            assert f"SQLite result store {results}: attempt to write a readonly" in worker.log()
+            assert worker.proc.poll() is None
+        finally:
+            data.chmod(0o755)
+            for file in files:
+                file.chmod(0o644)
+        wait_until(lambda: _succeeded(app, ids) == len(ids), 120,
+                   "every task, once the files are writable again")
+        assert dead.browse("ro.dead") == []
+        assert worker.proc.poll() is None
+    finally:
+        worker.kill()
+        app.close()
