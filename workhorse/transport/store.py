@@ -100,7 +100,8 @@ class _Opened:
 
 class Store:
     def __init__(self, path: Path) -> None:
-        self.path = path
+        # Absolute: the path is looked at again later, maybe from another directory.
+        self.path = path.absolute()
         self._opened: _Opened | None = None
         #: Token prefixes of openings whose file was deleted or replaced.
         self._gone: set[str] = set()
