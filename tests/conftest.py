@@ -178,11 +178,14 @@ def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BrokerEnv
 class Worker:
     """``workhorse worker`` as a subprocess, in its own session so it is cleaned up whole."""
 
-    def __init__(self, tmp_path: Path, env: dict[str, str], args: list[str]) -> None:
+    def __init__(self, tmp_path: Path, env: dict[str, str], args: list[str],
+                 wrapper: list[str] | None = None) -> None:
+        """``wrapper``: a command that runs the worker's (setpriv, to drop capabilities)."""
         self.log_path = tmp_path / f"worker-{uuid.uuid4().hex[:6]}.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "workhorse", "worker", *args], cwd=ROOT, env=env,
+            [*(wrapper or []), sys.executable, "-m", "workhorse", "worker", *args], cwd=ROOT,
+            env=env,
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         self.pid = self.proc.pid
 

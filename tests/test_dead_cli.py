@@ -149,7 +149,9 @@ def test_an_unreadable_entry_is_dead_lettered_in_an_envelope_by_a_worker_and_lis
         assert broker.queue_size(dead_queue) == 1
     assert row["unreadable"] and row["id"].startswith("unreadable-")
     assert row["queue"] == broker.queue and row["dead_at"]
-    assert row["reason"].startswith("malformed: no headers" if broker.kind == "amqp"
+    # RabbitMQ hands over a readable message with no task headers: read as protocol v1,
+    # whose body is not JSON. SQLite and Redis cannot even read it as a kombu message.
+    assert row["reason"].startswith("malformed: body is not valid" if broker.kind == "amqp"
                                     else "unreadable: not JSON")
     assert "not a message" in row["raw"]
     [(headers, body)] = broker.drain(dead_queue)
@@ -162,6 +164,8 @@ def test_requeue_and_purge_report_each_dead_letter_and_keep_the_unreadable(broke
     put_dead_letter(broker, a)
     put_raw(broker, dead_queue, RAW)
     put_dead_letter(broker, b)
+    # RabbitMQ routes a publish after it returns: list once all three are in the queue.
+    wait_until(lambda: broker.queue_size(dead_queue) == 3, 10, "three dead letters")
     [raw_id] = [r["id"] for r in listed(broker, tmp_path) if r["unreadable"]]
 
     requeued = dead(broker, tmp_path, "requeue", "--all")

@@ -1,6 +1,7 @@
 """The application object: configuration, the task registry, and sending tasks."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import ssl
@@ -21,7 +22,10 @@ from .protocol import build_message
 from .queues import ensure_queue
 from .result import AsyncResult, GroupResult, ResultCache
 from .task import Task, resolve_times
+from .transport import RABBITMQ as RABBITMQ_TRANSPORT
+from .transport import RABBITMQ_TLS as RABBITMQ_TLS_TRANSPORT
 from .transport import REDIS as REDIS_TRANSPORT
+from .transport.rabbitmq import BrokerBlocked
 
 if TYPE_CHECKING:
     from .canvas import Signature
@@ -147,6 +151,11 @@ class App:
                 # kombu turns on TLS for the scheme name, which a transport class hides;
                 # verify the server's certificate (kombu would not).
                 options["ssl"] = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
+        elif scheme in ("amqp", "pyamqp", "amqps"):
+            # kombu's py-amqp transport, but a publish on a connection RabbitMQ blocks
+            # (memory or disk alarm) fails at once instead of waiting for ever.
+            options["transport"] = (RABBITMQ_TLS_TRANSPORT if scheme == "amqps"
+                                    else RABBITMQ_TRANSPORT)
         return Connection(url, transport_options=transport_options, heartbeat=heartbeat,
                           connect_timeout=BROKER_TIMEOUT, **options)
 
@@ -218,11 +227,20 @@ class App:
                 connection.ensure_connection(**PUBLISH_RETRY_POLICY)
                 ensure_queue(connection, queue)
                 self._queues_ready.add(queue)
-            producer = Producer(connection)
-            producer.publish(
-                body, exchange="", routing_key=queue, serializer="json", headers=headers,
-                priority=priority, delivery_mode=2,
-                retry=True, retry_policy=PUBLISH_RETRY_POLICY, **properties)
+            try:
+                Producer(connection).publish(
+                    body, exchange="", routing_key=queue, serializer="json", headers=headers,
+                    priority=priority, delivery_mode=2, timeout=BROKER_TIMEOUT,
+                    retry=True, retry_policy=PUBLISH_RETRY_POLICY, **properties)
+            except (EncodeError, BrokerBlocked):
+                raise           # the connection is fine (a blocked one learns of the unblock)
+            except Exception:
+                # The next send starts on a new connection: this one may be unusable (an
+                # unconfirmed publish leaves a confirm owed on it).
+                self._producer_connection = None
+                with contextlib.suppress(Exception):
+                    connection.release()
+                raise
 
     # -- lifecycle
     def _check_fork(self) -> None:

@@ -256,7 +256,9 @@ def _loads(body: bytes | str, content_type: str | None, content_encoding: str | 
             f"content type {content_type!r} is not accepted (accepted: "
             f"{', '.join(sorted(ACCEPT_CONTENT))})") from None
     except (DecodeError, ValueError, UnicodeDecodeError) as exc:
-        raise MalformedMessage(f"body is not valid {content_type}: {exc}") from None
+        raise MalformedMessage(
+            f"body is not valid {content_type or 'JSON (no content type given)'}: {exc}"
+        ) from None
 
 
 # ---------------------------------------------------------------------- v2 or v1

@@ -4,6 +4,11 @@ Guarantees: a stored result is durable once the call returns (WAL, synchronous=N
 it survives a process crash; a power loss may take the last moments). Expired results are
 invisible at once and deleted by the worker's periodic purge. Waiting polls, starting at
 5 ms and backing off to the ``interval`` given to ``get()``.
+
+The file's troubles (disk full, read-only, I/O errors, a write lock held too long:
+``sqlitedb.FAULTS``) are raised as :class:`ResultStoreFileError`, naming the file, and
+retried with the store's back-off; after one that may have come from how the file was
+opened (read-only, unopenable) the next attempt opens it again.
 """
 from __future__ import annotations
 
@@ -11,10 +16,10 @@ import os
 import secrets
 import sqlite3
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import sqlitedb
 from ..forksafe import abandon
@@ -67,6 +72,23 @@ CREATE TABLE IF NOT EXISTS claims (
 CHORD_CLAIM_SECONDS = 30.0
 #: A chord whose header never completes is forgotten after this long.
 CHORD_EXPIRES = 86400.0
+#: Errors after which the file is opened again: it may have been opened read-only.
+_REOPEN_AFTER = frozenset({sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM,
+                           sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
+T = TypeVar("T")
+
+
+class ResultStoreFileError(sqlite3.OperationalError):
+    """The result store's SQLite file cannot be used now; the message names the file, the
+    error and what to do. SQLite's error code is kept (``sqlite_errorcode``)."""
+
+    def __init__(self, path: Path, cause: sqlite3.Error | OSError) -> None:
+        super().__init__(f"SQLite result store {sqlitedb.describe(path, cause)}")
+        self.path = path
+        # SQLite's code, for exception_safe_to_retry; an OSError (its directory could not
+        # be made) is what SQLite calls CANTOPEN.
+        self.sqlite_errorcode = getattr(cause, "sqlite_errorcode", sqlite3.SQLITE_CANTOPEN)
+        self.sqlite_errorname = getattr(cause, "sqlite_errorname", "SQLITE_CANTOPEN")
 
 
 def sqlite_path(url: str) -> Path:
@@ -104,27 +126,34 @@ class SQLiteBackend(Backend):
         self._conn = None
 
     def on_connection_error(self, exc: BaseException) -> None:
-        """A busy database needs no new connection: just try again."""
+        """A busy database or a full disk needs no new connection: just try again. One
+        opened read-only (or not at all) is opened again."""
+        code = getattr(exc, "sqlite_errorcode", None)
+        if code is not None and code & 0xFF in _REOPEN_AFTER:
+            self.close()
 
     def exception_safe_to_retry(self, exc: BaseException) -> bool:
-        return isinstance(exc, sqlite3.OperationalError) and any(
-            word in str(exc) for word in ("locked", "busy", "disk I/O"))
+        return sqlitedb.is_fault(exc)
+
+    def retrying(self, what: str, function: Callable[[], T]) -> T:
+        return super().retrying(what, lambda: self._naming_the_file(function))
+
+    def _naming_the_file(self, function: Callable[[], T]) -> T:
+        try:
+            return function()
+        except (sqlite3.Error, OSError) as exc:
+            if isinstance(exc, ResultStoreFileError) or not sqlitedb.is_fault(exc):
+                raise
+            raise ResultStoreFileError(self.path, exc) from exc
 
     def _expiry(self) -> float | None:
         return time.time() + self.expires if self.expires else None
 
     @contextmanager
     def _immediate(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction: taking the write lock up front means what is read inside
-        cannot change before it is written, and waiting for it goes through busy_timeout."""
-        conn = self.conn
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        """One write transaction (see sqlitedb.immediate)."""
+        with sqlitedb.immediate(self.conn) as conn:
             yield conn
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
 
     # -- task results
     def _set(self, task_id: str, state: str, payload: str) -> None:
@@ -243,6 +272,9 @@ class SQLiteBackend(Backend):
     def purge_expired(self) -> int:
         """Delete expired results, groups, abandoned chords and claims (lapsed, or done and
         past result_expires); returns how many results."""
+        return self.retrying("purging expired results", self._purge_expired)
+
+    def _purge_expired(self) -> int:
         now = time.time()
         conn = self.conn
         removed = conn.execute("DELETE FROM task_results WHERE expires_at IS NOT NULL AND "

@@ -5,6 +5,8 @@ from kombu.transport import TRANSPORT_ALIASES
 
 SQLITE = "workhorse.transport.sqlite:Transport"
 REDIS = "workhorse.transport.redis:Transport"
+RABBITMQ = "workhorse.transport.rabbitmq:Transport"
+RABBITMQ_TLS = "workhorse.transport.rabbitmq:SSLTransport"
 
 
 def register() -> None:

@@ -27,6 +27,12 @@ queue named by the routing key (what Celery and workhorse do by default). Bindin
 ``queue_bind`` are stored in the file, so direct, topic and fanout routing work across
 processes; an exchange's *type* is known only to processes that declared it (others treat
 it as direct).
+
+Broker faults (disk full, a read-only file, I/O errors, a write lock held too long) are
+raised as ``BrokerFileError``, one of the transport's ``connection_errors``: consumers
+treat them as a lost connection and reconnect with back-off, kombu's retrying producers
+retry and then raise them. A file deleted or replaced under its path is noticed and the
+new one opened (see ``store``).
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ from kombu.utils.json import dumps
 
 from ..protocol import dead_letter_queue
 from . import unreadable
-from .store import Store, parse_tag
+from .store import BrokerFileError, Store, parse_tag
 
 log = logging.getLogger("workhorse.transport.sqlite")
 
@@ -178,12 +184,19 @@ class Transport(virtual.Transport):
     driver_name = "sqlite3"
     polling_interval = 0.05
     default_port = None
-    connection_errors = virtual.Transport.connection_errors
+    # kombu's stubs type this as a 1-tuple.
+    connection_errors = (*virtual.Transport.connection_errors,  # type: ignore[assignment]
+                         BrokerFileError)
     channel_errors = virtual.Transport.channel_errors
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
         self.store = Store(path_from_url(client.virtual_host))
+
+    def establish_connection(self) -> Any:
+        # Open the file now: one that cannot be opened fails the connection, not later calls.
+        self.store.check()
+        return super().establish_connection()
 
     def driver_version(self) -> str:
         import sqlite3

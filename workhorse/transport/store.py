@@ -8,19 +8,40 @@ one host share the file (WAL mode); each process opens its own connection.
 Each message keeps its delivery count (SEMANTICS.md): ``lease`` adds one in the same
 statement that takes it, so a consumer killed outright has counted already; a clean
 hand-back by a live consumer (``release(uncount=True)``, ``forget``) takes it back.
+
+Broker faults: SQLite's errors that are the file's trouble (disk full, read-only, I/O
+error, locked too long; ``sqlitedb.FAULTS``) are raised as :class:`BrokerFileError`, which
+names the file and says what to do; the transport counts it as a lost connection. A file
+deleted or replaced under the same path is noticed (its inode, looked at before every
+``put`` and at most once a second otherwise) and the new one opened: messages leased from
+the old file are gone with it, so their leases read as held (they run here, once) and
+settling them does nothing.
 """
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from .. import sqlitedb
 from ..forksafe import abandon
+
+log = logging.getLogger("workhorse.broker")
+
+#: Seconds between looks at which file the path names (every put looks).
+IDENTITY_CHECK_INTERVAL = 1.0
+#: SQLite errors after which the connection is opened again: it may have been opened
+#: read-only, or on a file since replaced. (A full disk or a held lock passes by itself.)
+_REOPEN_AFTER = frozenset({sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM,
+                           sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
+_PREFIX_LENGTH = 8
 
 SCHEMA_VERSION = 1
 _SCHEMA = """
@@ -54,32 +75,114 @@ def parse_tag(delivery_tag: str) -> Lease:
     return int(ident), token
 
 
+class BrokerFileError(ConnectionError):
+    """The broker's SQLite file cannot be used now: disk full, read-only, an I/O error, its
+    write lock held too long. kombu counts it as a lost connection: a worker reconnects
+    with back-off, a producer retries a few times and then raises it (as kombu's
+    ``OperationalError``, with this message)."""
+
+    def __init__(self, path: Path, cause: BaseException) -> None:
+        super().__init__(f"SQLite broker {sqlitedb.describe(path, cause)}")
+        self.path = path
+        self.cause = cause
+
+
+@dataclass
+class _Opened:
+    """One opening of the broker file, in one process."""
+
+    conn: sqlite3.Connection
+    pid: int
+    identity: tuple[int, int] | None      # (device, inode) the path named when opened
+    prefix: str                           # starts the token of every lease taken through it
+    checked: float                        # monotonic time of the last look at the path
+
+
 class Store:
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self._conn: sqlite3.Connection | None = None
-        self._pid = 0
+        # Absolute: the path is looked at again later, maybe from another directory.
+        self.path = path.absolute()
+        self._opened: _Opened | None = None
+        #: Token prefixes of openings whose file was deleted or replaced.
+        self._gone: set[str] = set()
         self._lock = threading.RLock()
 
-    @property
-    def conn(self) -> sqlite3.Connection:
+    @contextmanager
+    def _session(self, *, check: bool = False) -> Iterator[sqlite3.Connection]:
+        """The connection, under the lock; the file's troubles raised as BrokerFileError.
+        ``check``: look at which file the path names now, whenever it was looked at last."""
+        with self._lock:
+            try:
+                yield self._connection(check)
+            except (sqlite3.Error, OSError) as exc:
+                if isinstance(exc, BrokerFileError) or not sqlitedb.is_fault(exc):
+                    raise
+                if (isinstance(exc, sqlite3.Error)
+                        and (exc.sqlite_errorcode or 0) & 0xFF in _REOPEN_AFTER):
+                    self.close()
+                raise BrokerFileError(self.path, exc) from exc
+
+    def _connection(self, check: bool) -> sqlite3.Connection:
+        opened = self._opened
         # Never use, or close, a sqlite3 connection across fork(): each process opens its
         # own (see workhorse.forksafe).
-        if self._conn is None or self._pid != os.getpid():
-            abandon(self._conn)   # inherited across fork: never close it here
+        if opened is None or opened.pid != os.getpid():
+            if opened is not None:
+                abandon(opened.conn)   # inherited across fork: never close it here
+                self._opened = None
+            opened = self._opened = self._open()
+        elif check or time.monotonic() - opened.checked >= IDENTITY_CHECK_INTERVAL:
+            opened.checked = time.monotonic()
+            now = sqlitedb.identity(self.path)
+            if now != opened.identity:
+                self._reopen(opened, now)
+                opened = self._opened = self._open()
+        return opened.conn
+
+    def _open(self) -> _Opened:
+        # The inode is read before and after opening: one replaced in between is opened again.
+        for _ in range(3):
+            before = sqlitedb.identity(self.path)
             conn = sqlitedb.connect(self.path, _SCHEMA, SCHEMA_VERSION)
-            self._conn, self._pid = conn, os.getpid()
-        return self._conn
+            after = sqlitedb.identity(self.path)
+            if before is None or before == after:
+                break
+            conn.close()
+        return _Opened(conn, os.getpid(), after, secrets.token_hex(_PREFIX_LENGTH // 2),
+                       time.monotonic())
+
+    def _reopen(self, opened: _Opened, now: tuple[int, int] | None) -> None:
+        """The path names another file, or none: leave the old one (closing it: SQLite
+        leaves the -wal and -shm at the path alone for a file that moved)."""
+        log.warning("SQLite broker %s was %s while open: opening the file now at that path. "
+                    "Messages this process holds from the old file are gone with it: they "
+                    "run here as they are, nothing is left to settle them against, and any "
+                    "not yet started when the worker stops are lost", self.path,
+                    "deleted" if now is None else "replaced")
+        self._gone.add(opened.prefix)
+        self._opened = None
+        opened.conn.close()
+
+    def _gone_with_old_file(self, lease: Lease) -> bool:
+        return lease[1][:_PREFIX_LENGTH] in self._gone
+
+    def check(self) -> None:
+        """Open the file if it is not open, and look at which file the path names; raises
+        BrokerFileError if it cannot be opened."""
+        with self._session(check=True):
+            pass
 
     def close(self) -> None:
-        if self._conn is not None and self._pid == os.getpid():
-            self._conn.close()
-        self._conn = None
+        with self._lock:
+            opened, self._opened = self._opened, None
+            if opened is not None and opened.pid == os.getpid():
+                opened.conn.close()
 
     # -- messages
     def put(self, queue: str, payload: str, priority: int = 0) -> int:
-        with self._lock:
-            cur = self.conn.execute(
+        # Looks at the path first: a message put into a file deleted meanwhile is lost.
+        with self._session(check=True) as conn:
+            cur = conn.execute(
                 "INSERT INTO messages (queue, priority, payload, created_at) VALUES (?, ?, ?, ?)",
                 (queue, priority, payload, time.time()))
             return int(cur.lastrowid or 0)
@@ -87,9 +190,10 @@ class Store:
     def lease(self, queue: str, visibility_timeout: float) -> tuple[int, str, str, int] | None:
         """Take the next available message: (id, token, payload, deliveries) or None."""
         now = time.time()
-        token = secrets.token_hex(8)
-        with self._lock:
-            row = self.conn.execute(
+        with self._session() as conn:
+            assert self._opened is not None
+            token = self._opened.prefix + secrets.token_hex(8)
+            row = conn.execute(
                 "UPDATE messages SET lease_until = ?, lease_token = ?, deliveries = deliveries + 1 "
                 "WHERE id = (SELECT id FROM messages WHERE queue = ? AND lease_until <= ? "
                 "            ORDER BY priority DESC, id LIMIT 1) "
@@ -101,8 +205,10 @@ class Store:
 
     def ack(self, lease: Lease) -> bool:
         """Delete the message if this lease still holds it; False if the lease was lost."""
-        with self._lock:
-            cur = self.conn.execute("DELETE FROM messages WHERE id = ? AND lease_token = ?", lease)
+        with self._session() as conn:
+            if self._gone_with_old_file(lease):
+                return False
+            cur = conn.execute("DELETE FROM messages WHERE id = ? AND lease_token = ?", lease)
             return cur.rowcount == 1
 
     def release(self, leases: Iterable[Lease], *, uncount: bool = False) -> int:
@@ -111,120 +217,113 @@ class Store:
         ``uncount``: a clean hand-back by a live consumer, which takes back the delivery
         its lease counted; without it (a channel closed holding them) they stay counted.
         """
-        with self._lock:
-            cur = self.conn.executemany(
+        with self._session() as conn:
+            cur = conn.executemany(
                 "UPDATE messages SET lease_until = 0, lease_token = NULL, "
                 "deliveries = MAX(deliveries - ?, 0) WHERE id = ? AND lease_token = ?",
-                [(int(uncount), *lease) for lease in leases])
+                [(int(uncount), *lease) for lease in leases
+                 if not self._gone_with_old_file(lease)])
             return cur.rowcount
 
     def forget(self, lease: Lease) -> bool:
         """A lease its live consumer lost (not renewed in time): take back the delivery it
         counted, wherever the message is now (waiting, or leased to another consumer).
         A lease still held is left alone. False if there was nothing to take back."""
-        with self._lock:
-            cur = self.conn.execute(
+        with self._session() as conn:
+            if self._gone_with_old_file(lease):
+                return False
+            cur = conn.execute(
                 "UPDATE messages SET deliveries = MAX(deliveries - 1, 0) "
                 "WHERE id = ? AND lease_token IS NOT ?", lease)
             return cur.rowcount == 1
 
     def renew(self, leases: Iterable[Lease], visibility_timeout: float) -> set[Lease]:
-        """Push the deadline of each lease out; return the leases that still exist."""
+        """Push the deadline of each lease out; return the leases that still exist. Those
+        from a file deleted or replaced count as existing: nothing else can deliver them."""
         leases = list(leases)
         until = time.time() + visibility_timeout
-        alive: set[Lease] = set()
-        with self._lock:
-            conn = self.conn
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+        with self._session() as conn:
+            alive = {lease for lease in leases if self._gone_with_old_file(lease)}
+            with sqlitedb.immediate(conn):
                 for lease in leases:
+                    if lease in alive:
+                        continue
                     cur = conn.execute("UPDATE messages SET lease_until = ? "
                                        "WHERE id = ? AND lease_token = ?", (until, *lease))
                     if cur.rowcount == 1:
                         alive.add(lease)
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
         return alive
 
     def bury(self, lease: Lease, dead_queue: str, payload: str) -> bool:
         """Replace a leased message by ``payload`` at the end of ``dead_queue``, in one
         transaction; False (nothing changed) if the lease was lost."""
-        with self._lock:
-            conn = self.conn
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+        with self._session() as conn:
+            if self._gone_with_old_file(lease):
+                return False
+            with sqlitedb.immediate(conn):
                 cur = conn.execute("DELETE FROM messages WHERE id = ? AND lease_token = ?",
                                    lease)
-                if cur.rowcount == 1:
+                buried = cur.rowcount == 1
+                if buried:
                     conn.execute("INSERT INTO messages (queue, payload, created_at) "
                                  "VALUES (?, ?, ?)", (dead_queue, payload, time.time()))
                     conn.execute("INSERT OR IGNORE INTO queues (name) VALUES (?)",
                                  (dead_queue,))
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-        return cur.rowcount == 1
+        return buried
 
     def remove(self, queue: str, ident: int) -> bool:
         """Delete a message that nobody holds (see ``browse``); False if it is leased or gone."""
-        with self._lock:
-            cur = self.conn.execute("DELETE FROM messages WHERE id = ? AND queue = ? AND "
-                                    "lease_until <= ?", (ident, queue, time.time()))
+        with self._session() as conn:
+            cur = conn.execute("DELETE FROM messages WHERE id = ? AND queue = ? AND "
+                               "lease_until <= ?", (ident, queue, time.time()))
             return cur.rowcount == 1
 
     def size(self, queue: str) -> int:
         """Messages available now (not leased)."""
-        with self._lock:
-            return int(self.conn.execute(
+        with self._session() as conn:
+            return int(conn.execute(
                 "SELECT count(*) FROM messages WHERE queue = ? AND lease_until <= ?",
                 (queue, time.time())).fetchone()[0])
 
     def purge(self, queue: str) -> int:
         """Delete the available messages; leased ones stay with their consumers (as in AMQP)."""
-        with self._lock:
-            cur = self.conn.execute("DELETE FROM messages WHERE queue = ? AND lease_until <= ?",
-                                    (queue, time.time()))
+        with self._session() as conn:
+            cur = conn.execute("DELETE FROM messages WHERE queue = ? AND lease_until <= ?",
+                               (queue, time.time()))
             return cur.rowcount
 
     def browse(self, queue: str, limit: int = 100) -> list[tuple[int, str, int, bool]]:
         """Look without leasing: (id, payload, deliveries, leased now) in delivery order."""
-        with self._lock:
-            rows = self.conn.execute(
+        with self._session() as conn:
+            rows = conn.execute(
                 "SELECT id, payload, deliveries, lease_until > ? FROM messages WHERE queue = ? "
                 "ORDER BY priority DESC, id LIMIT ?", (time.time(), queue, limit)).fetchall()
         return [(int(i), p, int(d), bool(leased)) for i, p, d, leased in rows]
 
     # -- queues and bindings
     def declare_queue(self, queue: str) -> None:
-        with self._lock:
-            self.conn.execute("INSERT OR IGNORE INTO queues (name) VALUES (?)", (queue,))
+        with self._session() as conn:
+            conn.execute("INSERT OR IGNORE INTO queues (name) VALUES (?)", (queue,))
 
     def has_queue(self, queue: str) -> bool:
-        with self._lock:
-            conn = self.conn
+        with self._session() as conn:
             return bool(conn.execute("SELECT 1 FROM queues WHERE name = ?", (queue,)).fetchone()
                         or conn.execute("SELECT 1 FROM messages WHERE queue = ? LIMIT 1",
                                         (queue,)).fetchone())
 
     def delete_queue(self, queue: str) -> None:
-        with self._lock:
-            conn = self.conn
-            conn.execute("BEGIN IMMEDIATE")
+        with self._session() as conn, sqlitedb.immediate(conn):
             conn.execute("DELETE FROM messages WHERE queue = ?", (queue,))
             conn.execute("DELETE FROM bindings WHERE queue = ?", (queue,))
             conn.execute("DELETE FROM queues WHERE name = ?", (queue,))
-            conn.execute("COMMIT")
 
     def bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
-        with self._lock:
-            self.conn.execute("INSERT OR IGNORE INTO bindings VALUES (?, ?, ?, ?)",
-                              (exchange, routing_key or "", pattern or "", queue))
+        with self._session() as conn:
+            conn.execute("INSERT OR IGNORE INTO bindings VALUES (?, ?, ?, ?)",
+                         (exchange, routing_key or "", pattern or "", queue))
 
     def bindings(self, exchange: str) -> list[tuple[str, str, str]]:
-        with self._lock:
-            return [tuple(r) for r in self.conn.execute(
+        with self._session() as conn:
+            return [tuple(r) for r in conn.execute(
                 "SELECT routing_key, pattern, queue FROM bindings WHERE exchange = ?",
                 (exchange,)).fetchall()]

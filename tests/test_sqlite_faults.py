@@ -1,0 +1,405 @@
+"""Broker and result-store faults: a full disk, a read-only file, a broker file deleted or
+replaced under its path (SQLite), a RabbitMQ that blocks publishers. Each is a fault the
+worker rides out and a producer is told about, never a crash or a hang."""
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import os
+import sqlite3
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kombu import Connection
+from kombu.exceptions import OperationalError
+
+import workhorse  # noqa: F401 - registers the sqlite:// transport
+from workhorse import App
+from workhorse import sqlitedb
+from workhorse.backends import RetryPolicy
+from workhorse.backends.sqlite import ResultStoreFileError, SQLiteBackend
+from workhorse.transport import store as store_module
+from workhorse.transport.store import BrokerFileError, Store
+
+from .conftest import BrokerEnv, Worker, make_broker, runs, wait_until, worker_env
+
+#: A payload that needs pages of its own: it cannot fit in what a capped file has.
+BIG = "x" * 50_000
+
+
+class FullDisk:
+    """Every SQLite file opened while this is installed can be made "full": its page count
+    capped where it stands (SQLite then fails writes with SQLITE_FULL, as on a full disk)."""
+
+    def __init__(self) -> None:
+        self.connections: list[sqlite3.Connection] = []
+        self.full = False
+
+    def connect(self, real):  # type: ignore[no-untyped-def]
+        def connect(*args, **kwargs):  # type: ignore[no-untyped-def]
+            conn = real(*args, **kwargs)
+            self.connections.append(conn)
+            if self.full:
+                self._cap(conn)
+            return conn
+        return connect
+
+    def fill(self) -> None:
+        self.full = True
+        for conn in self.connections:
+            self._cap(conn)
+
+    def free(self) -> None:
+        self.full = False
+        for conn in self.connections:
+            try:
+                conn.execute("PRAGMA max_page_count = 1073741823")
+            except sqlite3.ProgrammingError:   # closed meanwhile
+                pass
+
+    @staticmethod
+    def _cap(conn: sqlite3.Connection) -> None:
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count = {pages}")
+
+
+@pytest.fixture
+def full_disk(monkeypatch: pytest.MonkeyPatch) -> FullDisk:
+    disk = FullDisk()
+    monkeypatch.setattr(sqlitedb, "connect", disk.connect(sqlitedb.connect))
+    return disk
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> Path:
+    return tmp_path / "broker.sqlite3"
+
+
+@pytest.fixture
+def always_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Look at the path before every statement (not at most once a second)."""
+    monkeypatch.setattr(store_module, "IDENTITY_CHECK_INTERVAL", 0.0)
+
+
+# -- what counts as a fault
+def test_the_files_troubles_are_faults_and_the_statements_are_not(path):
+    conn = sqlite3.connect(path)
+    with pytest.raises(sqlite3.OperationalError) as statement:
+        conn.execute("SELECT * FROM no_such_table")
+    assert not sqlitedb.is_fault(statement.value)
+    conn.execute("CREATE TABLE t (v)")
+    conn.execute(f"PRAGMA max_page_count = {conn.execute('PRAGMA page_count').fetchone()[0]}")
+    with pytest.raises(sqlite3.OperationalError) as full:
+        conn.execute("INSERT INTO t VALUES (?)", (BIG,))
+    assert sqlitedb.is_fault(full.value)
+    assert sqlitedb.describe(path, full.value) == (
+        f"{path}: database or disk is full (SQLITE_FULL); free space on its disk")
+
+
+def test_kombu_counts_a_broker_file_fault_as_a_lost_connection(path):
+    with Connection(f"sqlite:///{path}") as conn:
+        assert issubclass(BrokerFileError, conn.connection_errors)
+        assert issubclass(BrokerFileError, conn.recoverable_connection_errors)
+
+
+# -- a full disk
+def test_a_full_broker_file_raises_a_connection_error_naming_the_file(path, full_disk):
+    store = Store(path)
+    store.put("q", "{}")
+    full_disk.fill()
+    with pytest.raises(BrokerFileError, match=f"SQLite broker {path}: database or disk is full "
+                                              r"\(SQLITE_FULL\); free space on its disk"):
+        store.put("q", BIG)
+    full_disk.free()
+    store.put("q", BIG)
+    assert len(store.browse("q")) == 2
+
+
+@pytest.mark.timeout(30)
+def test_send_task_to_a_full_broker_file_raises_at_once_naming_the_file(path, full_disk):
+    app = App("full", broker_url=f"sqlite:///{path}", result_backend="disabled", queues=["q"])
+    try:
+        app.send_task("t", (1,))
+        full_disk.fill()
+        started = time.monotonic()
+        with pytest.raises(OperationalError, match=f"SQLite broker {path}: database or disk "
+                                                   "is full"):
+            app.send_task("t", (BIG,))
+        assert time.monotonic() - started < 5
+        full_disk.free()
+        app.send_task("t", (BIG,))
+    finally:
+        app.close()
+    assert len(Store(path).browse("q")) == 2
+
+
+def test_a_broker_file_that_cannot_be_opened_fails_the_connection(tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    with pytest.raises(OperationalError, match="SQLite broker"):
+        with Connection(f"sqlite:///{blocker / 'broker.sqlite3'}") as conn:
+            conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0)
+
+
+# -- a file deleted or replaced under its path
+def _remove(path: Path, which: str) -> None:
+    for suffix in ("", "-wal", "-shm") if which == "all files" else ("",):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("which", ["main file", "all files"])
+def test_a_broker_file_deleted_under_a_consumer_is_opened_anew(path, always_check, caplog, which):
+    consumer = Store(path)
+    consumer.put("q", '"old"')
+    consumer.lease("q", 60)
+    _remove(path, which)
+    with caplog.at_level(logging.WARNING, logger="workhorse.broker"):
+        assert consumer.lease("q", 60) is None       # notices, opens the new file
+    assert f"SQLite broker {path} was deleted while open" in caplog.text
+    Store(path).put("q", '"new"')                    # a producer, on the file at the path
+    leased = consumer.lease("q", 60)
+    assert leased is not None and leased[2] == '"new"'
+
+
+def test_a_broker_file_replaced_under_a_consumer_is_opened_anew(path, tmp_path, always_check,
+                                                                 caplog):
+    consumer = Store(path)
+    consumer.put("q", '"old"')
+    replacement = Store(tmp_path / "other.sqlite3")
+    replacement.put("q", '"replacement"')
+    replacement.close()
+    # A WAL file left at the path would be read as the replacement's: it goes too.
+    os.replace(tmp_path / "other.sqlite3", path)
+    _remove(Path(f"{path}-wal"), "main file")
+    _remove(Path(f"{path}-shm"), "main file")
+    with caplog.at_level(logging.WARNING, logger="workhorse.broker"):
+        leased = consumer.lease("q", 60)
+    assert leased is not None and leased[2] == '"replacement"'
+    assert f"SQLite broker {path} was replaced while open" in caplog.text
+
+
+def test_leases_from_a_deleted_broker_file_stay_held_and_settle_nothing(path, always_check):
+    consumer = Store(path)
+    consumer.put("q", '"old"')
+    ident, token, _, _ = consumer.lease("q", 60)
+    old = (ident, token)
+    _remove(path, "all files")
+    consumer.put("q", '"new"')                       # into the new file, same id
+    # Nothing else can deliver it now: it stays ours, to run here...
+    assert consumer.renew([old], 60) == {old}
+    # ...and settling it touches nothing in the new file.
+    assert consumer.ack(old) is False
+    assert consumer.release([old], uncount=True) == 0
+    assert consumer.forget(old) is False
+    assert [payload for _, payload, _, _ in consumer.browse("q")] == ['"new"']
+
+
+@pytest.mark.timeout(30)
+def test_a_producer_puts_into_the_file_now_at_the_path(path):
+    producer = Store(path)
+    producer.put("q", '"before"')
+    _remove(path, "all files")
+    producer.put("q", '"after"')                     # looks at the path before every put
+    assert [payload for _, payload, _, _ in Store(path).browse("q")] == ['"after"']
+
+
+# -- the result store
+def test_a_full_result_store_is_retried_with_back_off_then_named(tmp_path, full_disk, caplog):
+    path = tmp_path / "results.sqlite3"
+    backend = SQLiteBackend(f"sqlite:///{path}",
+                            retry=RetryPolicy(max_retries=3, base_sleep=0.01, max_sleep=0.05))
+    backend.store_result("small", 1, "SUCCESS")
+    full_disk.fill()
+    with caplog.at_level(logging.WARNING, logger="workhorse.results"), \
+            pytest.raises(ResultStoreFileError, match=f"SQLite result store {path}: database or "
+                                                      "disk is full"):
+        backend.store_result("big", BIG, "SUCCESS")
+    assert caplog.text.count("retry") == 3
+    full_disk.free()
+    backend.store_result("big", BIG, "SUCCESS")
+    assert backend.get_task_meta("big")["status"] == "SUCCESS"
+
+
+def test_a_result_store_opened_read_only_is_opened_again(tmp_path):
+    path = tmp_path / "results.sqlite3"
+    backend = SQLiteBackend(f"sqlite:///{path}",
+                            retry=RetryPolicy(max_retries=2, base_sleep=0.01, max_sleep=0.01))
+    backend.store_result("a", 1, "SUCCESS")
+    backend.close()
+    # As if opened while its files were read-only: the connection cannot write, ever.
+    backend._conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+    backend._pid = os.getpid()
+    backend.store_result("b", 2, "SUCCESS")
+    assert backend.get_task_meta("b")["result"] == 2
+
+
+
+# -- the real daemon on SQLite
+def _client(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> App:
+    """The test app configured like the worker (``env``), for sending and reading results."""
+    for key, value in env.items():
+        if key.startswith(("WORKHORSE_", "WH_TEST_")):
+            monkeypatch.setenv(key, value)
+    from tests.apps import basic
+    basic.app.configure()
+    return basic.app
+
+
+def _succeeded(app: App, ids: list[str]) -> int:
+    return sum(app.AsyncResult(i).state == "SUCCESS" for i in ids)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which", ["main file", "all files"])
+def test_tasks_sent_after_the_broker_file_is_deleted_run(tmp_path, start_worker, monkeypatch,
+                                                         which):
+    broker = make_broker("sqlite", tmp_path)
+    worker = start_worker(broker)
+    app = _client(monkeypatch, worker_env(broker, tmp_path))
+    try:
+        first = app.send_task("tests.apps.basic.record")
+        wait_until(lambda: _succeeded(app, [first.id]), 20, "a task before the delete")
+        path = Path(broker.url.removeprefix("sqlite:///"))
+        app.close()         # the producer comes back as a new one would: on a new connection
+        _remove(path, which)
+        ids = [_send_until_accepted(app, 10) for _ in range(5)]
+        wait_until(lambda: _succeeded(app, ids) == 5, 15, "the tasks sent after the delete")
+    finally:
+        app.close()
+    assert re.search(f"SQLite broker {path} was (deleted|replaced) while open", worker.log())
+    assert worker.proc.poll() is None
+
+
+def _send_until_accepted(app: App, timeout: float) -> str:
+    """Until the worker has left the deleted file (within a second), a new file at the path
+    paired with the old one's -wal and -shm cannot be read: the producer is told, and
+    sends again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return app.send_task("tests.apps.basic.record").id
+        except OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 16 MB tmpfs of our own to fill (root only: elsewhere the test is skipped)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16M", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill ({done.stderr.strip()})")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _fill(directory: Path) -> Path:
+    filler = directory / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError:
+            pass
+        try:
+            while True:
+                f.write(b"\0")
+        except OSError:
+            pass
+    return filler
+
+
+@pytest.mark.timeout(150)
+def test_a_full_disk_is_ridden_out_and_work_resumes_when_space_returns(
+        tmp_path, small_disk, start_worker, monkeypatch):
+    broker = BrokerEnv("sqlite", f"sqlite:///{small_disk / 'broker.sqlite3'}", "full")
+    results = small_disk / "results.sqlite3"
+    worker = start_worker(broker, result_backend=f"sqlite:///{results}", visibility_timeout=5)
+    app = _client(monkeypatch, worker_env(broker, tmp_path, result_backend=f"sqlite:///{results}",
+                                          visibility_timeout=5))
+    try:
+        ids = [app.send_task("tests.apps.basic.record", (0.1,)).id for _ in range(20)]
+        wait_until(lambda: len(runs(tmp_path)) >= 2, 20, "the first tasks to start")
+        filler = _fill(small_disk)
+        path = small_disk / "broker.sqlite3"
+        started = time.monotonic()
+        with pytest.raises(OperationalError, match=f"SQLite broker {path}: database or disk "
+                                                   "is full"):
+            app.send_task("tests.apps.basic.record", (BIG,))
+        assert time.monotonic() - started < 5      # a clear error, not a hang
+        lost = f"broker connection lost (BrokerFileError('SQLite broker {path}: database or disk"
+        worker.wait_for_log(lost.replace("(", r"\(").replace(".", r"\."), 20)
+        wait_until(lambda: worker.proc.poll() is not None
+                   or time.monotonic() - started > 6, 10, "six seconds of full disk")
+        assert worker.proc.poll() is None, worker.log()[-3000:]
+        assert worker.log().count("broker connection lost") <= 6   # backing off, not spinning
+        filler.unlink()
+        wait_until(lambda: _succeeded(app, ids) == len(ids), 90, "every task, once space is back")
+        after = app.send_task("tests.apps.basic.record")
+        wait_until(lambda: _succeeded(app, [after.id]), 20, "a task sent after")
+    finally:
+        app.close()
+    assert worker.proc.poll() is None
+
+
+def _without_root_file_access() -> list[str]:
+    """As root the worker drops the capabilities that let it write read-only files."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("as root, read-only files need setpriv to run the worker without "
+                    "CAP_DAC_OVERRIDE")
+    return [setpriv, "--bounding-set", "-dac_override,-dac_read_search"]
+
+
+@pytest.mark.timeout(180)
+def test_read_only_broker_and_result_files_lose_nothing(tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    data.mkdir()
+    broker = BrokerEnv("sqlite", f"sqlite:///{data / 'broker.sqlite3'}", "ro")
+    results = data / "results.sqlite3"
+    # One task per child: each child opens the result store anew, read-only once it is.
+    env = worker_env(broker, tmp_path, result_backend=f"sqlite:///{results}",
+                     max_tasks_per_child=1)
+    worker = Worker(tmp_path, env, ["-A", "tests.apps.basic"], wrapper=_without_root_file_access())
+    app = _client(monkeypatch, env)
+    try:
+        worker.wait_ready()
+        first = app.send_task("tests.apps.basic.record")
+        wait_until(lambda: _succeeded(app, [first.id]), 20, "a result, so its files exist")
+        # Both children busy when the files turn read-only: every result fails to store.
+        ids = [app.send_task("tests.apps.basic.record", (1.0,)).id for _ in range(2)]
+        ids += [app.send_task("tests.apps.basic.record").id for _ in range(6)]
+        files = sorted(data.glob("*.sqlite3*"))
+        for file in files:
+            file.chmod(0o444)
+        data.chmod(0o555)
+        dead = Store(data / "broker.sqlite3")
+        try:
+            # Five seconds read-only: a tight loop (stored nothing, requeued, redelivered at
+            # once) uses up max_deliveries and dead-letters long before; retries back off.
+            read_only_until = time.monotonic() + 5
+            wait_until(lambda: dead.browse("ro.dead") or time.monotonic() > read_only_until,
+                       30, "five seconds of read-only files")
+            assert f"SQLite result store {results}: attempt to write a readonly" in worker.log()
+            assert worker.proc.poll() is None
+        finally:
+            data.chmod(0o755)
+            for file in files:
+                file.chmod(0o644)
+        wait_until(lambda: _succeeded(app, ids) == len(ids), 120,
+                   "every task, once the files are writable again")
+        assert dead.browse("ro.dead") == []
+        assert worker.proc.poll() is None
+    finally:
+        worker.kill()
+        app.close()

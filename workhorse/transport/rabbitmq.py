@@ -1,0 +1,125 @@
+"""kombu's py-amqp transport, with publishes that never hang on a blocked RabbitMQ.
+
+A RabbitMQ server under a memory or disk alarm sends ``connection.blocked`` and stops
+reading from the connections that publish: py-amqp's publish then waits for its confirm
+forever. Here a connection remembers that it is blocked (until ``connection.unblocked``),
+and a publish on it raises :class:`BrokerBlocked` at once, before sending anything (py-amqp
+reads what the server sent before each publish). A publish sent before the block is known
+waits for its confirm at most its ``timeout`` (``CONFIRM_TIMEOUT`` if none) and raises
+:class:`PublishNotConfirmed` when the block arrives or the time is up: the server may
+still take that message, so it is not sent again; the connection is done with (a late
+confirm would be read as the next message's).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from amqp import spec
+from amqp.exceptions import ConnectionError as AMQPConnectionError, MessageNacked
+from kombu.exceptions import OperationalError
+from kombu.transport import pyamqp
+
+log = logging.getLogger("workhorse.broker")
+
+#: Seconds a publish waits for the server's confirm when its caller gave no timeout.
+CONFIRM_TIMEOUT = 10.0
+#: Frames read before a publish, at most (each drain reads one method).
+_MAX_PENDING = 100
+
+
+class BrokerBlocked(OperationalError):
+    """RabbitMQ has blocked publishing on this connection (a memory or disk alarm);
+    nothing was sent. Not retried by kombu: the alarm lasts until the operator acts."""
+
+
+class PublishNotConfirmed(AMQPConnectionError):
+    """A published message was not confirmed (the server blocked publishing meanwhile, or
+    stayed silent): it may still be delivered. A connection error, but not one kombu
+    retries: sending it again could deliver it twice."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
+
+
+class Channel(pyamqp.Channel):
+    connection: Connection
+
+    def _basic_publish(self, msg: Any, *args: Any, **kwargs: Any) -> Any:
+        self.connection.raise_if_blocked()
+        return super()._basic_publish(msg, *args, **kwargs)
+
+    basic_publish = _basic_publish
+
+    def basic_publish_confirm(self, *args: Any, confirm_timeout: float | None = None,
+                              **kwargs: Any) -> Any:
+        if not self._confirm_selected:   # py-amqp's flag: confirm mode asked for once
+            self._confirm_selected: bool = True
+            self.confirm_select()
+        result = self._basic_publish(*args, **kwargs)
+        timeout = confirm_timeout or kwargs.get("timeout") or CONFIRM_TIMEOUT
+        connection = self.connection
+        connection.awaiting_confirm = True
+        try:
+            self.wait([spec.Basic.Ack, spec.Basic.Nack], callback=_raise_if_nacked,
+                      timeout=timeout)
+        except TimeoutError:
+            raise PublishNotConfirmed(
+                f"RabbitMQ did not confirm a published message within {timeout:g} s (is "
+                "it blocking publishers? see rabbitmq-diagnostics alarms): it may still be "
+                "delivered, so it is not sent again") from None
+        finally:
+            connection.awaiting_confirm = False
+        return result
+
+
+def _raise_if_nacked(method: Any, *args: Any) -> None:
+    if method == spec.Basic.Nack:
+        raise MessageNacked()
+
+
+class Connection(pyamqp.Connection):
+    Channel = Channel
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        #: Why the server blocks publishing now; None while it does not.
+        self.blocked_reason: str | None = None
+        #: A publish waits for its confirm: a block now means it may never come.
+        self.awaiting_confirm = False
+        kwargs.update(on_blocked=self._blocked, on_unblocked=self._unblocked)
+        super().__init__(*args, **kwargs)
+
+    def raise_if_blocked(self) -> None:
+        """Read what the server sent meanwhile; raise BrokerBlocked if it blocks us."""
+        for _ in range(_MAX_PENDING):
+            try:
+                self.drain_events(timeout=0)
+            except TimeoutError:
+                break
+        if self.blocked_reason is not None:
+            raise BrokerBlocked(
+                f"RabbitMQ {self.host} blocks publishing on this connection "
+                f"({self.blocked_reason}): a memory or disk alarm on the server; nothing was "
+                "sent. Publishing resumes when the alarm clears (rabbitmq-diagnostics alarms)")
+
+    def _blocked(self, reason: str) -> None:
+        self.blocked_reason = reason
+        log.warning("RabbitMQ %s blocks publishing on a connection (%s): a memory or disk "
+                    "alarm on the server; publishes on it fail until it is unblocked",
+                    self.host, reason)
+        if self.awaiting_confirm:
+            raise PublishNotConfirmed(
+                f"RabbitMQ {self.host} blocked publishing ({reason}) before confirming a "
+                "published message: it may still be delivered, so it is not sent again")
+
+    def _unblocked(self) -> None:
+        self.blocked_reason = None
+        log.info("RabbitMQ %s unblocked publishing on a connection", self.host)
+
+
+class Transport(pyamqp.Transport):
+    Connection = Connection
+
+
+class SSLTransport(pyamqp.SSLTransport):
+    Connection = Connection
