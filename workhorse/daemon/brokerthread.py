@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from kombu.message import Message
 
+from ..transport.rabbitmq import BrokerBlocked
 from .consumer import POLL_INTERVAL, BrokerConsumer
 from .loop import Loop
 from .reconnect import backoff
@@ -41,6 +42,8 @@ Command = Callable[[BrokerConsumer], None]
 Callback = Callable[[], None]
 #: The broker thread turns at least this often when idle (its progress stays fresh).
 IDLE_TURN = 1.0
+#: A publish refused while RabbitMQ blocks publishers is tried again this much later.
+BLOCKED_RETRY = 1.0
 
 
 class Wakeup:
@@ -137,14 +140,38 @@ class BrokerThread:
         self._stopping = False
         self._attempts = 0          # failed connects since the last success
         self._first = True
+        #: Commands waiting for RabbitMQ to unblock publishing (0: not blocked).
+        self._blocked = 0
         #: Messages kombu handed over during the call running now (a drain, a connect).
         self._arrived: list[tuple[str, Message]] = []
 
     # ------------------------------------------------------------------ loop thread's API
     def submit(self, command: Command, what: str = "") -> None:
         """Run ``command(consumer)`` on the broker thread, after every one submitted before.
-        An error it raises is logged there, naming ``what``; it never comes back."""
-        self.commands.put(_guarded(command, what))
+        An error it raises is logged there, naming ``what``; it never comes back. A publish
+        that RabbitMQ refuses because it blocks publishers (a memory or disk alarm) waits:
+        the command is run again every BLOCKED_RETRY seconds until the alarm clears."""
+        self.commands.put(self._guarded(command, what))
+
+    def _guarded(self, command: Command, what: str) -> Command:
+        def run(consumer: BrokerConsumer) -> None:
+            try:
+                command(consumer)
+            except BrokerBlocked as exc:
+                if not self._blocked:
+                    log.warning("RabbitMQ blocks publishing (%s): requeues, dead letters and "
+                                "hand-backs wait, tried again every %.0f s; running tasks go "
+                                "on", exc, BLOCKED_RETRY)
+                self._blocked += 1
+                self.loop.call_later(BLOCKED_RETRY, lambda: run(self.consumer))
+                return
+            except Exception as exc:  # noqa: BLE001 - logged; the broker delivers it again
+                _failed(consumer, exc, what)
+                return
+            if self._blocked:
+                log.info("RabbitMQ publishes again: the settlements that waited go on")
+                self._blocked = 0
+        return run
 
     def stop(self) -> None:
         """After the commands already submitted: close the connection and end."""
@@ -291,17 +318,12 @@ class BrokerThread:
             self._stopping = True
 
 
-def _guarded(command: Command, what: str) -> Command:
-    def run(consumer: BrokerConsumer) -> None:
-        try:
-            command(consumer)
-        except Exception as exc:  # the broker delivers it again; logged
-            if consumer.is_connection_error(exc):
-                log.warning("%s: the broker connection is gone (%r); the broker will "
-                            "deliver it again", what or "a broker call", exc)
-            else:
-                log.error("%s failed: %r", what or "a broker call", exc, exc_info=exc)
-    return run
+def _failed(consumer: BrokerConsumer, exc: Exception, what: str) -> None:
+    if consumer.is_connection_error(exc):
+        log.warning("%s: the broker connection is gone (%r); the broker will deliver it "
+                    "again", what or "a broker call", exc)
+    else:
+        log.error("%s failed: %r", what or "a broker call", exc, exc_info=exc)
 
 
 class _ToLoopThread(logging.Filter):
