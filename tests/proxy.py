@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import selectors
 import socket
+import sqlite3
 import threading
+from pathlib import Path
 
 
 class FreezableProxy:
@@ -81,3 +83,48 @@ class FreezableProxy:
                 except OSError:
                     pass
         selector.close()
+
+
+class SilentBroker:
+    """A broker a test can make go silent: SQLite with its write lock held by a connection
+    of the test's own (every writer waits; readers go on), Redis or RabbitMQ behind a
+    FreezableProxy. ``url`` is the one to give the worker; ``direct_url`` reaches the broker
+    without the proxy."""
+
+    PORTS = {"redis": 6379, "amqp": 5672}
+
+    def __init__(self, kind: str, directory: Path, redis_db: int = 4) -> None:
+        self.kind = kind
+        self.proxy: FreezableProxy | None = None
+        self._locker: sqlite3.Connection | None = None
+        if kind == "sqlite":
+            self.path = directory / "broker.sqlite3"
+            self.url = self.direct_url = f"sqlite:///{self.path}"
+            return
+        self.proxy = FreezableProxy(self.PORTS[kind])
+        if kind == "redis":
+            self.url = self.proxy.url("redis", f"/{redis_db}")
+            self.direct_url = f"redis://127.0.0.1:{self.PORTS[kind]}/{redis_db}"
+        else:
+            self.url = self.proxy.url("amqp", "//")
+            self.direct_url = f"amqp://guest:guest@127.0.0.1:{self.PORTS[kind]}//"
+
+    def freeze(self) -> None:
+        if self.proxy is not None:
+            self.proxy.freeze()
+            return
+        self._locker = sqlite3.connect(self.path, isolation_level=None)
+        self._locker.execute("BEGIN EXCLUSIVE")
+
+    def cut(self) -> None:
+        """End the silence without letting through anything sent meanwhile: the SQLite
+        lock is given up, the proxy closed with what it held dropped."""
+        if self._locker is not None:
+            self._locker.rollback()
+            self._locker.close()
+            self._locker = None
+        if self.proxy is not None:
+            self.proxy.close()
+            self.proxy = None
+
+    close = cut

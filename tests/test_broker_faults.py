@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import signal
 import socket
-import sqlite3
 import time
 import types
 from pathlib import Path
@@ -26,7 +25,7 @@ from tests.conftest import (
     wait_until,
     worker_env,
 )
-from tests.proxy import FreezableProxy
+from tests.proxy import SilentBroker
 from workhorse import App
 
 pytestmark = pytest.mark.timeout(120)
@@ -70,27 +69,13 @@ class Notify:
         self.sock.close()
 
 
-def silent_broker(kind: str, tmp_path: Path):
-    """(broker URL, freeze()) for a broker the test can make go silent."""
-    if kind == "sqlite":
-        url = f"sqlite:///{tmp_path / 'broker.sqlite3'}"
-        holder: list[sqlite3.Connection] = []
-
-        def freeze() -> None:
-            conn = sqlite3.connect(tmp_path / "broker.sqlite3", isolation_level=None)
-            conn.execute("BEGIN EXCLUSIVE")     # every writer now waits
-            holder.append(conn)
-        return url, freeze, lambda: None
-    require_service(kind, 6379 if kind == "redis" else 5672)
-    proxy = FreezableProxy(6379 if kind == "redis" else 5672)
-    url = proxy.url("redis", "/4") if kind == "redis" else proxy.url("amqp", "//")
-    return url, proxy.freeze, proxy.close
-
-
 @pytest.mark.parametrize("kind", ["sqlite", "redis", "amqp"])
 def test_time_limits_signals_and_the_watchdog_are_on_time_while_the_broker_hangs(
         kind, tmp_path):
-    url, freeze, cleanup = silent_broker(kind, tmp_path)
+    if kind != "sqlite":
+        require_service(kind, SilentBroker.PORTS[kind])
+    silent = SilentBroker(kind, tmp_path)
+    url, freeze, cleanup = silent.url, silent.freeze, silent.close
     broker = types.SimpleNamespace(url=url, queue=f"frozen-{tmp_path.name[-8:]}")
     notify = Notify(tmp_path / "notify.sock")
     env = worker_env(broker, tmp_path, concurrency=1, soft_time_limit=3, time_limit=4,

@@ -6,7 +6,7 @@ import pytest
 
 from workhorse import MaxRetriesExceededError, chain
 from workhorse.daemon.consumer import DEAD_REASON_HEADER
-from workhorse.states import PENDING, RETRY, SUCCESS
+from workhorse.states import FAILURE, PENDING, RETRY, SUCCESS
 
 from .conftest import wait_until
 from .test_delivery import dead_letters, failure, starts
@@ -191,17 +191,34 @@ def test_chain_passes_each_result_on(broker, client, start_worker):
     assert result.get(timeout=30) == 35
 
 
-def test_chain_with_a_failing_middle_step_stops_and_calls_its_errback(
+def test_a_failing_chain_step_fails_the_rest_of_the_chain_and_calls_its_errback(
         broker, client, start_worker, tmp_path):
+    """As Celery does: the later steps never run, and their results (the chain's is the
+    last one's) are the failed step's exception, so get() raises instead of hanging."""
     from tests.apps.basic import add, errback_new, fail
     start_worker(broker)
-    steps = chain(add.s(1, 2), fail.si("middle"), add.s(100)).on_error(errback_new.s())
-    result = steps.apply_async()
+    steps = chain(add.s(1, 2), fail.si("middle"), add.s(100), add.s(1000))
+    result = steps.on_error(errback_new.s()).apply_async()
+    with pytest.raises(Exception) as raised:
+        result.get(timeout=30)
+    assert type(raised.value).__name__ == "ValueError" and raised.value.args == ("middle", 42)
+    assert result.state == FAILURE and result.parent.state == FAILURE
     wait_until(lambda: errback_lines(tmp_path), 20, "the chain's errback")
     [line] = errback_lines(tmp_path)
     assert line.endswith("ValueError True tests.apps.basic.fail")
-    assert result.state == PENDING            # the last step never ran
-    assert broker.queue_size() == 0
+    assert broker.queue_size() == 0           # the later steps were never sent
+
+
+def test_a_chain_step_whose_child_is_lost_fails_the_rest_of_the_chain(
+        broker, client, start_worker):
+    """The supervisor stores that FAILURE (the child is gone): it fails the chain too."""
+    from tests.apps.basic import add, die
+    start_worker(broker, reject_on_worker_lost=False)
+    result = (die.s() | add.s(1)).apply_async()
+    with pytest.raises(Exception) as raised:
+        result.get(timeout=30)
+    assert type(raised.value).__name__ == "WorkerLostError"
+    assert result.parent.state == FAILURE
 
 
 def test_immutable_signature_ignores_the_previous_result(broker, client, start_worker):

@@ -26,6 +26,8 @@ EARLY = Policy(acks_late=False)
     (Outcome.SHUTDOWN_KILLED, Policy(reject_on_worker_lost=False),
      Decision(Action.DEAD_LETTER, Store.WORKER_LOST)),
     (Outcome.STORE_FAILED, DEFAULT, Decision(Action.REQUEUE_COUNTED)),
+    (Outcome.CONTINUATION_FAILED, DEFAULT, Decision(Action.REQUEUE_COUNTED)),
+    (Outcome.CONTINUATION_FAILED, EARLY, Decision(Action.NONE)),
     (Outcome.ALREADY_DONE, DEFAULT, Decision(Action.ACK)),
     (Outcome.ALREADY_DONE, EARLY, Decision(Action.NONE)),
     (Outcome.CLAIMED_ELSEWHERE, DEFAULT, Decision(Action.REQUEUE)),

@@ -12,6 +12,7 @@ class Outcome(str, enum.Enum):
     SUCCEEDED = "succeeded"          # the task returned; its result is stored
     FAILED = "failed"                # the task raised (incl. an uncaught soft limit); stored
     STORE_FAILED = "store_failed"    # the task ran but its result could not be stored
+    CONTINUATION_FAILED = "continuation_failed"  # stored, but a callback/next step unsent
     MALFORMED = "malformed"          # headers or body unreadable: no task to run
     UNKNOWN_TASK = "unknown_task"    # no such task registered
     EXPIRED = "expired"              # `expires` passed before it started
@@ -100,7 +101,9 @@ def decide(outcome: Outcome, policy: Policy, *, started: bool, deliveries: int =
         return _requeue_counted(policy, deliveries, Store.NOTHING)
     if outcome is Outcome.FAILED:
         return Decision(Action.ACK if policy.acks_on_failure else Action.DEAD_LETTER)
-    if outcome is Outcome.STORE_FAILED:
+    if outcome in (Outcome.STORE_FAILED, Outcome.CONTINUATION_FAILED):
+        # Redelivered, a CONTINUATION_FAILED message finds its SUCCESS stored and sends
+        # its continuations without running again.
         return _requeue_counted(policy, deliveries, Store.NOTHING)
     if outcome is Outcome.TIME_LIMIT:
         if policy.acks_on_timeout:

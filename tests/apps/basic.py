@@ -320,6 +320,17 @@ def collect(self, results):
 
 
 @app.task(bind=True)
+def gate(self, path, value):
+    """Records its start, then returns ``value`` once the file ``path`` exists (at most 60 s):
+    a test opens the gate when it has set up the fault the task should finish into."""
+    _record("gate", self.request.id)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return value
+
+
+@app.task(bind=True)
 def spawn_children(self, n):
     return [add.delay(i, i).id for i in range(n)]
 

@@ -222,8 +222,11 @@ class Backend(ABC):
 
     def chord_part_return(self, group_id: str, task_id: str, index: int | None, state: str,
                           result: Any) -> ChordCompletion | None:
-        """Record one header task's outcome. The caller whose part completes the chord
-        (and who claims it) gets the parts in order; everyone else gets None."""
+        """Record one header task's outcome, once per part however often it is reported.
+        The caller whose part completes the chord (and who claims it) gets the parts in
+        order; everyone else gets None. The claim is ``task_id``'s: reported again by that
+        part (redelivered after its worker died before sending the body), the completion
+        is handed out again; by another part, only after the claim has lapsed."""
         raise NotImplementedError(f"{type(self).__name__} does not support chords")
 
     def chord_finished(self, group_id: str, token: str) -> None:

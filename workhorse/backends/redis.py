@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import secrets
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -52,7 +51,13 @@ local size = tonumber(redis.call('GET', skey) or '0')
 local total = size + tonumber(redis.call('GET', tkey) or '0')
 local claimed = 0
 if size > 0 and ready == total then
+    -- The claim is the completing part's task id, so that part's redelivery (its worker
+    -- died before the body was sent) takes it again at once; any other part waits for it
+    -- to lapse.
     if redis.call('SET', ckey, token, 'NX', 'EX', claim_seconds) then
+        claimed = 1
+    elseif redis.call('GET', ckey) == token then
+        redis.call('EXPIRE', ckey, claim_seconds)
         claimed = 1
     end
 end
@@ -221,7 +226,7 @@ class RedisBackend(Backend):
     def chord_part_return(self, group_id: str, task_id: str, index: int | None, state: str,
                           result: Any) -> ChordCompletion | None:
         value = dumps([1, task_id, state, self.encode_part(state, result)])
-        token = secrets.token_hex(8)
+        token = task_id
         keys = self._chord_keys(group_id)
         score = "+inf" if index is None else str(index)
 

@@ -13,7 +13,6 @@ opened (read-only, unopenable) the next attempt opens it again.
 from __future__ import annotations
 
 import os
-import secrets
 import sqlite3
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -209,9 +208,11 @@ class SQLiteBackend(Backend):
                                  (group_id,)).fetchone()[0]
             size, claim, claim_until = chord[0], chord[1], chord[2]
             now = time.time()
-            if ready < size or (claim is not None and claim_until > now):
+            # The claim is the completing part's task id: that part's redelivery (its
+            # worker died before the body was sent) takes it again at once.
+            if ready < size or (claim not in (None, task_id) and claim_until > now):
                 return None
-            token = secrets.token_hex(8)
+            token = task_id
             conn.execute("UPDATE chords SET claim = ?, claim_until = ? WHERE group_id = ?",
                          (token, now + CHORD_CLAIM_SECONDS, group_id))
             rows = conn.execute("SELECT task_id, state, result FROM chord_parts "

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kombu.message import Message
 
 from ..backends import RetryPolicy
+from ..chains import fail_chain
 from ..chords import chord_part_return
 from ..exceptions import (
     MalformedMessage,
@@ -196,6 +197,8 @@ class Settlement:
             return
         exc = _stored_exception(decision.store, request.task, detail)
         backend.mark_as_failure(task_id, exc, None, request=info)
+        if decision.store is not Store.MALFORMED:
+            fail_chain(self.current.app, self._embed(delivery).get("chain"), exc, None)
         self._chord_part(delivery, FAILURE, exc)
 
     def _chord_part(self, delivery: Delivery, state: str, result: Any) -> None:
@@ -205,16 +208,22 @@ class Settlement:
         request = delivery.request
         if not request.group or request.id is None:
             return
+        embed = self._embed(delivery)
+        if embed.get("chord"):
+            chord_part_return(self.current.app, request.group, request.id,
+                              request.group_index, state, result, embed["chord"],
+                              inline_errbacks=False)
+
+    @staticmethod
+    def _embed(delivery: Delivery) -> dict[str, Any]:
+        """The message's workflow fields (callbacks, chain, chord); none if unreadable."""
         message = delivery.message
         try:
             _, (_, _, embed) = read_message(message.headers, message.body, message.content_type,
                                             message.content_encoding)
         except MalformedMessage:
-            return
-        if embed.get("chord"):
-            chord_part_return(self.current.app, request.group, request.id,
-                              request.group_index, state, result, embed["chord"],
-                              inline_errbacks=False)
+            return {}
+        return embed
 
 
 def _stored_exception(store: Store, task_name: str, detail: str | None) -> BaseException:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..canvas import signature
+from ..chains import fail_chain
 from ..chords import call_errbacks, chord_part_return
 from ..exceptions import (
     Ignore,
@@ -115,17 +116,22 @@ class TaskExecution:
 
     # ------------------------------------------------------------------ duplicates
     def _already_done(self, request: Request) -> Finished | None:
-        """A redelivered message whose SUCCESS is stored already is acked, not run again."""
+        """A redelivered message whose SUCCESS is stored already is acked, not run again;
+        but its continuations are completed first. They are published before the message
+        is acked, so its earlier delivery may have stopped between the two: a callback or
+        chain step published twice is the price of never publishing one zero times."""
         job = self.job
         redelivered = (request.deliveries > 0 or job.delivery_info.get("redelivered")
                        or job.headers.get("redelivered"))
         if not (redelivered and self.store):
             return None
-        if self.app.backend.get_task_meta(request.id)["status"] != SUCCESS:
+        meta = self.app.backend.get_task_meta(request.id)
+        if meta["status"] != SUCCESS:
             return None
         log.warning("Task %s: redelivered, but its SUCCESS is stored already; acked without "
-                    "running it again", self.label)
-        return Finished(Outcome.ALREADY_DONE, "its SUCCESS was stored already")
+                    "running it again, once its continuations are sent", self.label)
+        return self._continue(meta["result"]) or Finished(
+            Outcome.ALREADY_DONE, "its SUCCESS was stored already")
 
     def _claim(self, task: Task, task_id: str, args: list[Any],
                kwargs: dict[str, Any]) -> Finished | None:
@@ -208,9 +214,22 @@ class TaskExecution:
                 log.error("Task %s returned a value that cannot be stored: %s", self.label, exc)
                 return self._failed(exc, None, runtime)
         log.info("Task %s succeeded in %.3fs: %.200s", self.label, runtime, safe_repr(retval))
-        self._apply_callbacks(retval)
-        self._chord_part(SUCCESS, retval)
-        return Finished(Outcome.SUCCEEDED)
+        return self._continue(retval) or Finished(Outcome.SUCCEEDED)
+
+    def _continue(self, retval: Any) -> Finished | None:
+        """Send a success's continuations (link callbacks, the chain's next step, its chord
+        part and the chord's body): part of its settlement, so done before the outcome is
+        reported and the message acked. If one cannot be sent, the message goes back to
+        its queue (counted), and its redelivery, finding the SUCCESS stored, sends them."""
+        try:
+            self._apply_callbacks(retval)
+            self._chord_part(SUCCESS, retval)
+        except Exception as exc:  # noqa: BLE001 - the broker's or the store's trouble
+            log.error("Task %s: its result is stored, but its continuations could not all be "
+                      "sent (%r); the message goes back to its queue to send them again",
+                      self.label, exc)
+            return Finished(Outcome.CONTINUATION_FAILED, repr(exc))
+        return None
 
     def _failed(self, exc: BaseException, tb: str | None, runtime: float) -> Finished:
         described = describe_exception(exc)     # str(exc) may fail: its args are the task's
@@ -218,6 +237,7 @@ class TaskExecution:
                   described, tb or "")
         if self.store:
             self._store_failure(exc, tb)
+        fail_chain(self.app, self.context.chain, exc, tb)
         self._call_errbacks(exc, tb)
         self._chord_part(FAILURE, exc)
         return Finished(Outcome.FAILED, described)
@@ -279,12 +299,8 @@ class TaskExecution:
         if ctx.chain:
             follow_ups.append((ctx.chain[-1], {"chain": ctx.chain[:-1] or None}))
         for data, extra in follow_ups:
-            try:
-                signature(data, self.app).apply_async(
-                    (retval,), parent_id=ctx.id, root_id=ctx.root_id, **extra)
-            except Exception:   # the task itself succeeded and is stored
-                log.exception("Task %s: could not send its callback %s", self.label,
-                              data.get("task"))
+            signature(data, self.app).apply_async(
+                (retval,), parent_id=ctx.id, root_id=ctx.root_id, **extra)
 
     def _call_errbacks(self, exc: BaseException, tb: str | None) -> None:
         call_errbacks(self.app, self.context.errbacks or (), self.context, exc, tb, inline=True)
