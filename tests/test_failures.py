@@ -221,6 +221,14 @@ def test_a_chain_step_whose_child_is_lost_fails_the_rest_of_the_chain(
     assert result.parent.state == FAILURE
 
 
+def test_a_retry_with_new_args_runs_with_them_and_keeps_custom_headers(
+        broker, client, start_worker):
+    from tests.apps.basic import retry_with_new_args
+    start_worker(broker)
+    result = retry_with_new_args.apply_async((1,), {"b": 2}, headers={"tenant": "acme"})
+    assert result.get(timeout=30) == [10, 20, "acme"]
+
+
 def test_immutable_signature_ignores_the_previous_result(broker, client, start_worker):
     from tests.apps.basic import add
     start_worker(broker)

@@ -167,3 +167,65 @@ def test_options_come_from_a_shared_base_class(app):
     assert job.option("max_retries") == 10 and job.option("retry_backoff") == 2
     assert other.option("retry_backoff") == 5
     assert job.option("retry_backoff_max") == 600      # config default
+
+
+def _signature_of(a, b=0, *rest, c=None, **more):
+    return None
+
+
+@pytest.mark.parametrize(("original", "args", "kwargs", "expected"), [
+    # neither given: the original arguments
+    (([1], {"b": 2}), None, None, ([1], {"b": 2})),
+    # both given: exactly those
+    (([1], {"b": 2}), [5], {"c": 3}, ([5], {"c": 3})),
+    # args only: original keywords for parameters the new args fill are dropped
+    (([], {"a": 1, "b": 2, "c": 3}), [7], None, ([7], {"b": 2, "c": 3})),
+    (([], {"a": 1, "b": 2}), [7, 8], None, ([7, 8], {})),
+    # kwargs only: an original positional argument they name is replaced in place
+    (([1, 2, 3], {}), None, {"b": 9}, ([1, 9, 3], {})),
+    (([1], {}), None, {"c": 4}, ([1], {"c": 4})),
+    (([1, 2], {}), None, {"a": 5, "x": 6}, ([5, 2], {"x": 6})),
+])
+def test_retry_combines_new_and_original_arguments_as_celery_does(original, args, kwargs,
+                                                                  expected):
+    from workhorse.retrying import retry_arguments
+    assert retry_arguments(_signature_of, *original, args, kwargs) == expected
+
+
+def test_retry_with_new_args_does_not_pass_a_value_twice(app):
+    """Celery 5.7: retry(args=…) of a task sent with keyword arguments; today's error was
+    'got multiple values for argument'."""
+    @app.task(bind=True)
+    def job(self, a, k):
+        return None
+    running(job)                       # args [1], kwargs {"k": 2}
+    with pytest.raises(Retry):
+        job.retry(args=[10, 20], countdown=1)
+    assert (app.sent[0]["args"], app.sent[0]["kwargs"]) == ([10, 20], {})
+    app.sent.clear()
+    with pytest.raises(Retry):
+        job.retry(kwargs={"a": 30}, countdown=1)
+    assert (app.sent[0]["args"], app.sent[0]["kwargs"]) == ([30], {})   # kwargs replaced
+
+
+def test_retry_keeps_custom_headers_ignore_result_chord_and_expiry(app):
+    @app.task(bind=True)
+    def job(self, a, k):
+        return None
+    expires = utcnow() + timedelta(hours=1)
+    running(job, headers={"tenant": "acme", "id": "t-1", "retries": 0, "ignore_result": True,
+                          "redelivered": True, "x-workhorse-deliveries": 2},
+            chord={"task": "body"}, expires=expires)
+    with pytest.raises(Retry):
+        job.retry(countdown=1)
+    [sent] = app.sent
+    assert sent["headers"] == {"tenant": "acme"}
+    assert sent["ignore_result"] is True and sent["chord"] == {"task": "body"}
+    assert sent["expires"] == expires
+
+
+def test_custom_headers_leave_the_protocol_and_the_bookkeeping_behind():
+    from workhorse.protocol import build_message, custom_headers
+    built = build_message("t", "i", (1,), {}, extra_headers={"tenant": "acme"})
+    assert custom_headers(built.headers) == {"tenant": "acme", "replaced_task_nesting": 0,
+                                             "stamped_headers": None, "stamps": {}}

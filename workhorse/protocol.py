@@ -46,6 +46,25 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+#: The headers ``build_message`` writes afresh for each message (canvas bookkeeping such
+#: as ``stamps`` passes through).
+_PROTOCOL_HEADERS = frozenset({
+    "lang", "task", "id", "shadow", "eta", "expires", "group", "group_index", "retries",
+    "timelimit", "root_id", "parent_id", "argsrepr", "kwargsrepr", "origin", "ignore_result"})
+#: Headers a message gets from its broker or from workhorse's handling of it, never from
+#: its producer: a copy the task sends of itself (a retry) starts without them.
+_DELIVERY_HEADERS = frozenset({"redelivered", "x-death", "x-delivery-count"})
+
+
+def custom_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
+    """The headers a producer added to a task message (``apply_async(headers=…)``): what
+    a retry carries on. The protocol's own are written afresh for the copy; the broker's
+    and workhorse's bookkeeping (delivery counts, dead-letter reasons) stay behind."""
+    return {key: value for key, value in headers.items()
+            if key not in _PROTOCOL_HEADERS and key not in _DELIVERY_HEADERS
+            and not key.startswith("x-workhorse-")}
+
+
 #: A decoded body: args, kwargs and embed (callbacks, errbacks, chain, chord).
 Body = tuple[list[Any], dict[str, Any], dict[str, Any]]
 

@@ -1,8 +1,10 @@
 """When to retry: the back-off schedule, and which exceptions retry automatically. Pure."""
 from __future__ import annotations
 
+import inspect
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 
 def retry_countdown(retries: int, *, backoff: bool | int, backoff_max: float, jitter: bool,
@@ -24,3 +26,43 @@ def retry_countdown(retries: int, *, backoff: bool | int, backoff_max: float, ji
 def should_autoretry(exc: BaseException, retry_for: Sequence[type[BaseException]],
                      dont_retry_for: Sequence[type[BaseException]]) -> bool:
     return isinstance(exc, tuple(retry_for)) and not isinstance(exc, tuple(dont_retry_for))
+
+
+def retry_arguments(function: Callable[..., Any], original_args: Sequence[Any],
+                    original_kwargs: Mapping[str, Any], args: Sequence[Any] | None,
+                    kwargs: Mapping[str, Any] | None) -> tuple[list[Any], dict[str, Any]]:
+    """The arguments a retry is sent with, as Celery 5.7 combines them.
+
+    Neither given: the original ones. Both given: exactly those. Only ``args``: they
+    replace the original positional ones, and original keyword arguments naming a
+    parameter those now fill are dropped. Only ``kwargs``: an original positional argument
+    whose parameter they name is replaced in place, the rest kept.
+    """
+    if args is None and kwargs is None:
+        return list(original_args), dict(original_kwargs)
+    if args is not None and kwargs is not None:
+        return list(args), dict(kwargs)
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):     # no signature to read: as given, task checks follow
+        return (list(original_args if args is None else args),
+                dict(original_kwargs if kwargs is None else kwargs))
+    if args is not None:
+        positional = [p for p in parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        kept = dict(original_kwargs)
+        for parameter in positional[:len(args)]:
+            if parameter.kind is parameter.POSITIONAL_OR_KEYWORD:
+                kept.pop(parameter.name, None)
+        return list(args), kept
+    assert kwargs is not None
+    try:
+        bound = inspect.signature(function).bind_partial(*original_args)
+    except TypeError:
+        return list(original_args), dict(kwargs)
+    new = dict(kwargs)
+    for name in list(new):
+        if (name in bound.arguments
+                and parameters[name].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            bound.arguments[name] = new.pop(name)
+    return list(bound.args), {**bound.kwargs, **new}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -11,7 +12,8 @@ from ._state import current_context, new_task_id, pop_context, push_context
 from .canvas import Signature
 from .config.task_options import TASK_OPTIONS, TaskOptionError, check_options, check_time_limits
 from .exceptions import MaxRetriesExceededError, Retry
-from .protocol import countdown_to_eta, utcnow
+from .protocol import countdown_to_eta, custom_headers, utcnow
+from .retrying import retry_arguments
 
 if TYPE_CHECKING:
     from .app import App
@@ -225,8 +227,9 @@ class Task:
             raise exc if exc is not None else Retry("task called directly: cannot be retried")
         retries = request.retries + 1
         limit = self.option("max_retries") if max_retries is None else max_retries
-        call_args = list(request.args if args is None else args)
-        call_kwargs = dict(request.kwargs if kwargs is None else kwargs)
+        call_args, call_kwargs = retry_arguments(
+            partial(self.run, self) if self.bind else self.run, request.args or (),
+            request.kwargs or {}, args, kwargs)
         if limit is not None and retries > limit:
             if exc is not None:
                 raise exc
@@ -241,7 +244,10 @@ class Task:
             task_id=request.id, retries=retries, queue=request.queue, priority=request.priority,
             time_limit=hard, soft_time_limit=soft, root_id=request.root_id,
             parent_id=request.parent_id, group_id=request.group, group_index=request.group_index,
-            link=request.callbacks, link_error=request.errbacks, chain=request.chain)
+            link=request.callbacks, link_error=request.errbacks, chain=request.chain,
+            chord=request.chord, expires=request.expires,
+            ignore_result=request.headers.get("ignore_result"),
+            headers=custom_headers(request.headers))
         send.update(options)
         eta_at, _ = resolve_times(countdown if eta is None else None, eta, None)
         if not (self.ignore_result or request.headers.get("ignore_result")):

@@ -275,6 +275,14 @@ def retry_then_crash(self):
     return "done"
 
 
+@app.task(bind=True, default_retry_delay=0.05)
+def retry_with_new_args(self, a, b=0):
+    """Retries once with new positional arguments; returns what the retry saw."""
+    if self.request.retries == 0:
+        raise self.retry(args=[a * 10, b * 10])
+    return [a, b, self.request.headers.get("tenant")]
+
+
 @app.task(bind=True)
 def ignorer(self):
     _record("ignorer", self.request.id)
