@@ -12,6 +12,7 @@ from workhorse.backends.encoding import (
     describe_exception,
     encode_exception,
 )
+from workhorse import exceptions
 from workhorse.exceptions import ResultEncodeError, TimeLimitExceeded
 from workhorse.states import FAILURE, STARTED, SUCCESS
 
@@ -153,3 +154,20 @@ def test_describing_an_exception_never_fails(make):
 class BadRepr:
     def __repr__(self) -> str:
         raise RuntimeError("no repr for you")
+
+
+@pytest.mark.parametrize("exc", [
+    exceptions.Reject("no", requeue=False), exceptions.Ignore(), exceptions.Retry("again"),
+    exceptions.MaxRetriesExceededError("too many"), exceptions.TaskRevokedError("revoked"),
+    exceptions.NotRegistered("x.y"), exceptions.ChordError("part failed"),
+    exceptions.TimeoutError("late"), exceptions.SoftTimeLimitExceeded("soft"),
+    exceptions.TimeLimitExceeded("hard"), exceptions.WorkerLostError("lost")])
+def test_exceptions_celery_has_are_stored_under_celery_names_and_read_back_as_ours(exc):
+    import celery
+    import celery.exceptions
+    from celery.backends.base import BaseBackend
+    stored = encode_exception(exc)
+    assert stored["exc_module"] in ("celery.exceptions", "billiard.exceptions")
+    theirs = BaseBackend(celery.Celery("reader")).exception_to_python(stored)
+    assert type(theirs) is getattr(celery.exceptions, type(exc).__name__)   # Celery's class
+    assert type(decode_exception(stored)) is type(exc)                      # ours

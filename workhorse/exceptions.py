@@ -106,3 +106,12 @@ class MaxRetriesExceededError(WorkhorseError):
 
 class ChordError(WorkhorseError):
     """A chord's header had a task that failed: its body does not run."""
+
+
+#: Where Celery defines the classes workhorse has its own of: results name these, so a
+#: Celery client's ``except celery.exceptions.Reject`` matches what a workhorse worker
+#: stored, and workhorse's client reads Celery's names back as its own classes.
+CELERY_MODULE = "celery.exceptions"
+CELERY_NAMED: tuple[type[BaseException], ...] = (
+    NotRegistered, TimeoutError, TaskRevokedError, Retry, Ignore, Reject,
+    MaxRetriesExceededError, ChordError)

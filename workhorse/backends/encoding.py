@@ -18,6 +18,7 @@ from typing import Any
 
 from kombu.utils.json import dumps, loads
 
+from ..exceptions import CELERY_MODULE, CELERY_NAMED
 from ..states import EXCEPTION_STATES, READY_STATES
 
 __all__ = ["dumps", "loads", "encode_exception", "decode_exception", "build_meta",
@@ -73,12 +74,17 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+#: workhorse's classes that Celery has too travel under Celery's module (exceptions.py).
+_TO_WIRE = {cls: CELERY_MODULE for cls in CELERY_NAMED}
+_FROM_WIRE = {(CELERY_MODULE, cls.__name__): cls for cls in CELERY_NAMED}
+
+
 def encode_exception(exc: BaseException) -> dict[str, Any]:
     cls = type(exc)
     return {
         "exc_type": getattr(cls, "__qualname__", cls.__name__),
         "exc_message": [_json_safe(arg) for arg in exc.args],
-        "exc_module": cls.__module__,
+        "exc_module": _TO_WIRE.get(cls, cls.__module__),
     }
 
 
@@ -93,6 +99,9 @@ def _synthesize(module: str | None, name: str) -> type[BaseException]:
 
 
 def _resolve(module: str | None, name: str) -> type[BaseException]:
+    own = _FROM_WIRE.get((module or "", name))
+    if own is not None:
+        return own
     obj: Any = sys.modules.get(module) if module else None
     if obj is None and module is None:
         obj = sys.modules["builtins"]
