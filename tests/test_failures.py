@@ -229,6 +229,14 @@ def test_a_retry_with_new_args_runs_with_them_and_keeps_custom_headers(
     assert result.get(timeout=30) == [10, 20, "acme"]
 
 
+def test_a_requeued_message_is_seen_as_redelivered_with_its_priority(broker, client,
+                                                                      start_worker):
+    from tests.apps.basic import reject_until_redelivered
+    start_worker(broker)
+    result = reject_until_redelivered.apply_async(priority=3)
+    assert result.get(timeout=30) == [True, 3]
+
+
 def test_immutable_signature_ignores_the_previous_result(broker, client, start_worker):
     from tests.apps.basic import add
     start_worker(broker)

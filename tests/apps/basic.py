@@ -295,6 +295,15 @@ def rejecter(self, requeue):
     raise Reject("not for me", requeue=requeue)
 
 
+@app.task(bind=True)
+def reject_until_redelivered(self):
+    """Requeues its first delivery; returns what a later one sees of its delivery."""
+    info = self.request.delivery_info
+    if not info.get("redelivered"):
+        raise Reject("first time", requeue=True)
+    return [info.get("redelivered"), info.get("priority")]
+
+
 @app.task
 def errback_new(request, exc, traceback):
     """Called in the worker: writes what it was given to $WH_TEST_PIDFILE.errback."""

@@ -84,10 +84,17 @@ class Dispatch:
 
     def _job(self, delivery: Delivery) -> Job:
         request, message = delivery.request, delivery.message
+        delivery_info = dict(message.delivery_info or {})
+        if delivery.deliveries > 1:
+            # Delivered before (a counted requeue's copy, a lease that ran out): the task
+            # sees it as redelivered, as kombu marks the messages it restores.
+            delivery_info["redelivered"] = True
+        priority = (message.properties or {}).get("priority")
+        delivery_info.setdefault("priority", priority)      # as Celery's request has it
         return Job(delivery.seq, request.task, message.body, message.content_type,
                    message.content_encoding, dict(message.headers or {}),
-                   dict(message.delivery_info or {}), self._track_started(delivery.task),
-                   delivery.queue, (message.properties or {}).get("priority"),
+                   delivery_info, self._track_started(delivery.task),
+                   delivery.queue, priority,
                    delivery.policy.acks_late, claim_owner=self.claim_owner(delivery.seq),
                    claim_ttl=self.current.settings.visibility_timeout)
 
