@@ -117,7 +117,25 @@ def test_get_inside_a_task_raises_instead_of_deadlocking(broker, app, results_ur
     assert isinstance(exc, RuntimeError) and "Never call result.get() within a task" in str(exc)
 
 
-@sqlite_broker
+@pytest.mark.parametrize(("broker", "kind"), [("sqlite", "single"), ("sqlite", "group")],
+                         indirect=["broker"])
+def test_a_task_may_return_a_workflow_it_started(broker, app, results_url, start_worker,
+                                                 kind):
+    """Stored as Celery stores it (the result's tuple form), which Celery's
+    result_from_tuple and ours turn back into the result."""
+    from celery.result import result_from_tuple as celery_result_from_tuple
+
+    from tests.apps.basic import start_workflow
+    from workhorse.result import result_from_tuple
+    start_worker(broker, result_backend=results_url)
+    stored = start_workflow.delay(kind).get(timeout=20)
+    started = result_from_tuple(stored, app)
+    expected = [0, 2, 4] if kind == "group" else 4
+    assert (started.join(timeout=20) if kind == "group" else started.get(timeout=20)) == expected
+    theirs = celery_result_from_tuple(stored)
+    assert theirs.id == started.id
+
+
 def test_children_and_parents(broker, app, results_url, start_worker):
     from tests.apps.basic import add, spawn_children
     start_worker(broker, result_backend=results_url)

@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from workhorse import App, SoftTimeLimitExceeded
+from workhorse import App, SoftTimeLimitExceeded, group
 from workhorse.backends.sqlite import SQLiteBackend
 
 app = App("basic")
@@ -350,6 +350,14 @@ def gate(self, path, value):
 @app.task(bind=True)
 def spawn_children(self, n):
     return [add.delay(i, i).id for i in range(n)]
+
+
+@app.task
+def start_workflow(kind):
+    """Returns the result of a workflow it started: an AsyncResult or a GroupResult."""
+    if kind == "group":
+        return group(add.s(i, i) for i in range(3)).apply_async()
+    return add.delay(2, 2)
 
 
 @app.task

@@ -133,6 +133,12 @@ def decode_exception(value: Any) -> BaseException:
         return exc
 
 
+def _is_result(value: Any) -> bool:
+    return (callable(getattr(value, "as_tuple", None)) and isinstance(getattr(value, "id", None),
+                                                                       str)
+            and not isinstance(value, (tuple, list, dict, str)))
+
+
 def build_meta(
     task_id: str,
     state: str,
@@ -145,6 +151,11 @@ def build_meta(
     """The stored meta, key for key as Celery's backends write it."""
     if state in EXCEPTION_STATES and isinstance(result, BaseException):
         result = encode_exception(result)
+    elif _is_result(result):
+        # A task that returns a workflow it started (an AsyncResult or GroupResult, ours or
+        # Celery's) is stored as Celery stores it: the result's tuple form, which
+        # result_from_tuple turns back into the result object.
+        result = result.as_tuple()
     meta: dict[str, Any] = {
         "status": state,
         "result": result,
