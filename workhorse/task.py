@@ -101,6 +101,8 @@ class Task:
     #: Claim the task id (True) or ``f"{name}:{idempotent(*args, **kwargs)}"`` (a function)
     #: in the result store before running: no two runs at once, none after a success.
     idempotent: bool | Callable[..., Any] = False
+    #: Starts per second in each worker (given as Celery's "10/m"), None: no limit.
+    rate_limit: float | None = None
 
     OPTIONS: ClassVar[frozenset[str]] = TASK_OPTIONS
 

@@ -304,6 +304,12 @@ def reject_until_redelivered(self):
     return [info.get("redelivered"), info.get("priority")]
 
 
+@app.task(bind=True, rate_limit="2/s")
+def rated(self):
+    """At most two starts a second in each worker; returns when it started (epoch s)."""
+    return time.time()
+
+
 @app.task
 def errback_new(request, exc, traceback):
     """Called in the worker: writes what it was given to $WH_TEST_PIDFILE.errback."""

@@ -12,6 +12,7 @@ import reprlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..ratelimit import parse_rate
 from .settings import BY_NAME
 from .types import Invalid
 
@@ -70,10 +71,17 @@ def _idempotent(value: Any) -> bool | Callable[..., Any]:
                   "its key")
 
 
+def _rate_limit(value: Any) -> float | None:
+    try:
+        return parse_rate(value)
+    except ValueError as exc:
+        raise Invalid(str(exc)) from None
+
+
 OWN_CHECKS: dict[str, Callable[[Any], Any]] = {
     "ignore_result": _flag, "typing": _flag, "queue": _queue, "priority": _priority,
     "autoretry_for": _exception_classes, "dont_autoretry_for": _exception_classes,
-    "retry_kwargs": _retry_kwargs, "idempotent": _idempotent,
+    "retry_kwargs": _retry_kwargs, "idempotent": _idempotent, "rate_limit": _rate_limit,
 }
 
 #: Every option a task takes, besides the decorator's name, bind and base.

@@ -14,10 +14,12 @@ from kombu.message import Message
 from ..pool.child import Child
 from ..pool.ipc import Job
 from ..pool.limits import effective_limit
+from ..ratelimit import RateLimits
 from .delivery import Delivery, Stage
 from .current import Current
 from .holding import Holding
 from .intake import Intake
+from .loop import Loop, Timer
 from .slots import Slots
 
 log = logging.getLogger("workhorse.supervisor")
@@ -38,7 +40,8 @@ class AckingBroker(Protocol):
 class Dispatch:
     def __init__(self, current: Current, holding: Holding, intake: Intake, slots: Slots,
                  broker: AckingBroker, accepting: Callable[[], bool],
-                 on_change: Callable[[], None], claim_owner: Callable[[int], str]) -> None:
+                 on_change: Callable[[], None], claim_owner: Callable[[int], str],
+                 loop: Loop, clock: Callable[[], float]) -> None:
         self.current = current
         self.holding = holding
         self.intake = intake
@@ -48,6 +51,10 @@ class Dispatch:
         #: Credit and room follow what is held: called after an ack at start changes it.
         self.on_change = on_change
         self.claim_owner = claim_owner
+        self.loop = loop
+        self.clock = clock
+        self.rate_limits = RateLimits()
+        self._rate_wakeup: Timer | None = None    # set while a rate-limited message waits
 
     def dispatch(self) -> None:
         """Give each idle child the next buffered message that may start now. One whose
@@ -63,7 +70,7 @@ class Dispatch:
                 self._ack_at_start(delivery)
 
     def _next_startable(self) -> Delivery | None:
-        while (delivery := self.holding.next_buffered()) is not None:
+        while (delivery := self.holding.next_buffered(self._rate_limited)) is not None:
             if self.intake.expired(delivery):     # it waited (ETA, buffer) past its expiry
                 continue
             if self.holding.has_task_id(delivery.request.id or ""):
@@ -74,6 +81,27 @@ class Dispatch:
             return delivery
         return None
 
+    def _rate_limited(self, delivery: Delivery) -> bool:
+        """Must this buffered message wait for its task's rate limit? It keeps its place
+        in the buffer (and in the prefetch window: a worker does not hoard what it may not
+        start), others pass it, and the loop wakes when it may start."""
+        rate = getattr(delivery.task, "rate_limit", None)
+        if rate is None:
+            return False
+        now = self.clock()
+        wait = self.rate_limits.wait(delivery.request.task, rate, now)
+        if wait <= 0:
+            return False
+        wakeup = self._rate_wakeup
+        if wakeup is None or wakeup.cancelled or wakeup.when > now + wait:
+            if wakeup is not None:
+                wakeup.cancel()
+            self._rate_wakeup = self.loop.call_later(wait, self._rate_woken)
+        return True
+
+    def _rate_woken(self) -> None:
+        self._rate_wakeup = None       # the loop turns, and dispatches, after its timers
+
     def _start(self, child: Child, delivery: Delivery) -> None:
         hard, soft = self._limits(delivery)
         if not self.slots.start(child, delivery, self._job(delivery), hard, soft):
@@ -81,6 +109,7 @@ class Dispatch:
             return
         self.holding.start(delivery)
         delivery.started = True
+        self.rate_limits.take(delivery.request.task, self.clock())
 
     def _job(self, delivery: Delivery) -> Job:
         request, message = delivery.request, delivery.message

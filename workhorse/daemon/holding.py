@@ -12,7 +12,7 @@ parts carry out the broker and store work and tell it what became of each delive
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from kombu.message import Message
 
@@ -91,12 +91,20 @@ class Holding:
         delivery.stage = Stage.BUFFERED
         self.buffer.appendleft(delivery)
 
-    def next_buffered(self) -> Delivery | None:
-        """Take the first buffered delivery out of line; the caller moves it on at once
-        (start, schedule or settle)."""
+    def next_buffered(self, wait: Callable[[Delivery], bool] | None = None) -> Delivery | None:
+        """Take the first buffered delivery out of line, passing those ``wait`` says must
+        wait (they keep their places); the caller moves it on at once (start, schedule or
+        settle)."""
         if not self.buffer:
             return None
-        delivery = self.buffer.popleft()
+        if wait is None or not wait(self.buffer[0]):
+            delivery = self.buffer.popleft()
+        else:
+            found = next((d for d in self.buffer if not wait(d)), None)
+            if found is None:
+                return None
+            self.buffer.remove(found)
+            delivery = found
         delivery.stage = Stage.NEW
         return delivery
 

@@ -106,7 +106,8 @@ class Supervisor:
                              settings.visibility_timeout, self._changed)
         self.dispatch = Dispatch(self.current, self.holding, self.intake, self.slots,
                                  self.link, self._accepting, self._changed,
-                                 lambda seq: f"{self.hostname}:{self.system.getpid()}:{seq}")
+                                 lambda seq: f"{self.hostname}:{self.system.getpid()}:{seq}",
+                                 self.loop, self.system.monotonic)
         self.reloading = Reload(self.current, reload, self.slots, self.holding,
                                 self.settlement, self.system.monotonic, self._changed)
 
