@@ -136,3 +136,30 @@ def test_a_celery_client_sending_protocol_v1_gets_its_link_error_called(celery_s
     from .conftest import wait_until
     wait_until(lambda: path.exists() and path.read_text().strip(), 20, "Celery's errback")
     assert path.read_text().split() == ["old", result.id]
+
+
+@pytest.mark.parametrize("shape", ["group last", "chord last", "group then task",
+                                   "chord then task"])
+def test_celery_canvases_with_groups_and_chords_inside_chains_run_on_workhorse(
+        celery_setup, shape):
+    """Celery sends the rest of a chain, groups and chords included, in the first message;
+    the worker applies each step as Celery's own would (before: 'celery.group' and
+    'celery.chord' were sent as task names, and dead-lettered as unknown)."""
+    import celery
+    app, broker, _ = celery_setup
+    app.conf.task_default_queue = broker.queue
+
+    def sig(name: str, *args: object):
+        return app.signature(f"tests.apps.basic.{name}", args, queue=broker.queue)
+    header = [sig("add", 10), sig("add", 20)]
+    canvas, expected = {
+        "group last": (celery.chain(sig("add", 1, 1), celery.group(header)), [12, 22]),
+        "chord last": (celery.chain(sig("add", 1, 1), celery.chord(header, sig("collect"))),
+                       [12, 22]),
+        "group then task": (sig("add", 1, 1) | celery.group(header) | sig("collect"), [12, 22]),
+        "chord then task": (celery.chain(sig("add", 1, 1), celery.chord(header, sig("collect")),
+                                         sig("mul", 2)), [12, 22, 12, 22]),
+    }[shape]
+    result = canvas.apply_async()
+    outcome = result.get(timeout=30)
+    assert outcome == expected

@@ -254,8 +254,18 @@ class chord(Signature):  # Celery's name
             raise ValueError("a chord needs a body: chord(header, body) or chord(header)(body)")
         body = body.clone()
         body.options.setdefault("task_id", new_task_id())
-        for errback in self.options.get("link_error", ()):
+        # As in Celery: what comes after the chord (the rest of a chain it is a step of, its
+        # callbacks) follows its body, not each header task.
+        rest = options.pop("chain", None)
+        if rest:
+            body.options["chain"] = rest
+        for callback in _as_list(options.pop("link", None)):
+            body.link(signature(callback, self._app))
+        for errback in [*self.options.get("link_error", ()),
+                        *_as_list(options.pop("link_error", None))]:
             body.link_error(errback)
+        if options.get("root_id"):
+            body.options.setdefault("root_id", options["root_id"])
         group_id, members = header.freeze()
         if not members:
             return body.apply_async(([],))
@@ -270,12 +280,25 @@ def signature(value: Mapping[str, Any], app: App | None = None) -> Signature:
     """A Signature from its wire dict (or return it if it already is one)."""
     if isinstance(value, Signature):
         return value
-    if value.get("subtask_type") == "chain":
-        tasks = [signature(t, app) for t in (value.get("kwargs") or {}).get("tasks", ())]
-        made = chain(*tasks, app=app)
-        made.options.update(value.get("options") or {})
-        return made
-    return Signature(value, app=app)
+    kind = value.get("subtask_type")
+    fields = value.get("kwargs") or {}
+    made: Signature
+    if kind == "chain":
+        made = chain(*(signature(t, app) for t in fields.get("tasks", ())), app=app)
+    elif kind == "group":
+        made = group(*(signature(t, app) for t in fields.get("tasks", ())), app=app)
+    elif kind == "chord":
+        # Celery's wire form: the header a group (or a list of signatures), the body one.
+        header = fields.get("header") or []
+        read = (signature(header, app) if isinstance(header, Mapping)
+                else group(*(signature(t, app) for t in header), app=app))
+        made = chord(read if isinstance(read, group) else group(read, app=app),
+                     signature(fields["body"], app) if fields.get("body") else None, app=app)
+    else:
+        return Signature(value, app=app)
+    made.options.update(value.get("options") or {})
+    made["immutable"] = bool(value.get("immutable"))
+    return made
 
 
 def _as_list(value: Any) -> list[Any]:
