@@ -163,3 +163,22 @@ def test_celery_canvases_with_groups_and_chords_inside_chains_run_on_workhorse(
     result = canvas.apply_async()
     outcome = result.get(timeout=30)
     assert outcome == expected
+
+
+def test_celerys_builtin_tasks_run_on_workhorse(celery_setup):
+    """celery.map, celery.starmap (task.map/starmap), celery.chunks, celery.accumulate."""
+    from celery.canvas import chunks, xmap, xstarmap
+    from celery.result import result_from_tuple
+    app, broker, _ = celery_setup
+    add = app.signature("tests.apps.basic.add")
+    collect = app.signature("tests.apps.basic.collect")
+    queue = broker.queue
+    assert xstarmap(add, [(1, 2), (3, 4)], app=app).apply_async(queue=queue).get(
+        timeout=20) == [3, 7]
+    assert xmap(collect, [1, 2], app=app).apply_async(queue=queue).get(timeout=20) == [1, 2]
+    grouped = chunks(add, [(i, i) for i in range(5)], 2, app=app).apply_async(queue=queue)
+    assert grouped.get(timeout=20) == [[0, 2], [4, 6], [8]]
+    sent = app.send_task("celery.chunks", (add, [(1, 1), (2, 2), (3, 3)], 2), queue=queue)
+    assert result_from_tuple(sent.get(timeout=20), app).get(timeout=20) == [[2, 4], [6]]
+    assert app.send_task("celery.accumulate", (5, 6, 7), {"index": 1},
+                         queue=queue).get(timeout=20) == 6

@@ -15,6 +15,7 @@ from kombu.exceptions import EncodeError
 
 from ._state import current_app, current_context, new_task_id, set_current_app
 from .backends import Backend, RetryPolicy, backend_from_url
+from .builtins import register_builtins
 from .config import SETTINGS, ConfigError, Settings, load_settings
 from .config.task_options import invalid
 from .forksafe import abandon
@@ -72,6 +73,7 @@ class App:
         self._queues_ready: set[str] = set()
         self._backend: Backend | None = None
         self.result_cache = ResultCache()
+        register_builtins(self)
         set_current_app(self)
 
     # -- configuration
