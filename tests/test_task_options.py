@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from workhorse import App, Task
+from workhorse.builtins import NAMES as BUILTINS
 from workhorse.config import task_options
 from workhorse.config import types as t
 from workhorse.config.settings import BY_NAME
@@ -68,7 +69,7 @@ def test_a_string_for_an_integer_option_is_an_error_naming_task_and_option(app):
 def test_a_string_for_a_boolean_option_is_an_error_not_true(app):
     assert error_of(app, acks_late="no") == (
         f"{JOB}: option acks_late: expected True or False, got 'no' (a str)")
-    assert not app.tasks               # nothing was registered
+    assert set(app.tasks) == set(BUILTINS)     # nothing was registered
 
 
 BAD_SETTING_VALUES = {
@@ -207,3 +208,13 @@ def test_the_error_is_both_a_type_error_and_a_value_error(app):
         define(app, max_deliveries="3")
     with pytest.raises(ValueError):
         define(app, max_deliveries=0)
+
+
+def test_the_messages_ignore_result_overrides_the_tasks_as_in_celery():
+    """Celery's producers always send the header (send_task: false), and Celery's worker
+    lets it win over the task's option; null leaves the task's option in force."""
+    app = App("ignore", broker_url="memory://", result_backend="disabled")
+    quiet = app.task(ignore_result=True)(lambda: None)
+    loud = app.task(name="loud")(lambda: None)
+    assert quiet.ignores_result(None) and not quiet.ignores_result(False)
+    assert not loud.ignores_result(None) and loud.ignores_result(True)

@@ -147,6 +147,11 @@ class Task:
             return self.run(self, *args, **kwargs)
         return self.run(*args, **kwargs)
 
+    def ignores_result(self, requested: Any) -> bool:
+        """Is this call's result left unstored? The message's ``ignore_result`` header when
+        it says (Celery's producers always do), else the task's option: Celery's rule."""
+        return bool(self.ignore_result if requested is None else requested)
+
     def idempotency_key(self, task_id: str, args: Sequence[Any],
                         kwargs: Mapping[str, Any]) -> str | None:
         """The key an idempotent task claims for one call; None if it is not idempotent."""
@@ -252,7 +257,7 @@ class Task:
             headers=custom_headers(request.headers))
         send.update(options)
         eta_at, _ = resolve_times(countdown if eta is None else None, eta, None)
-        if not (self.ignore_result or request.headers.get("ignore_result")):
+        if not self.ignores_result(request.headers.get("ignore_result")):
             self.app.backend.mark_as_retry(request.id, exc or Retry(when=when), retries=retries,
                                            eta=eta_at, request={"task": self.name,
                                                                 "hostname": request.hostname})

@@ -92,7 +92,7 @@ class TaskExecution:
             "task": job.task, "args": args, "kwargs": kwargs, "hostname": self.hostname,
             "retries": request.retries, "group": request.group, "parent_id": request.parent_id,
             "delivery_info": job.delivery_info}
-        self.store = not (task.ignore_result or request.ignore_result)
+        self.store = not task.ignores_result(request.ignore_result)
         task.push_request(self.context)
         try:
             try:
