@@ -53,7 +53,7 @@ def test_bound_task_sees_its_request(broker, client, start_worker):
     result = context.apply_async(task_id="fixed-id-1").get(timeout=20)
     assert result == {"id": "fixed-id-1", "retries": 0, "root_id": "fixed-id-1",
                       "parent_id": None, "hostname": "w1@test", "called_directly": False,
-                      "routing_key": broker.queue}
+                      "routing_key": broker.queue, "correlation_id": "fixed-id-1"}
 
 
 def test_unknown_task_is_dead_lettered_and_the_worker_goes_on(broker, client, start_worker):

@@ -41,6 +41,7 @@ class Context:
     hostname: str | None = None
     delivery_info: dict[str, Any] = field(default_factory=dict)
     headers: dict[str, Any] = field(default_factory=dict)
+    properties: dict[str, Any] = field(default_factory=dict)
     timelimit: tuple[float | None, float | None] = (None, None)
     called_directly: bool = True
     group_index: int | None = None

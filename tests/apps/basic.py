@@ -50,7 +50,8 @@ def context(self):
     r = self.request
     return {"id": r.id, "retries": r.retries, "root_id": r.root_id, "parent_id": r.parent_id,
             "hostname": r.hostname, "called_directly": r.called_directly,
-            "routing_key": r.delivery_info.get("routing_key")}
+            "routing_key": r.delivery_info.get("routing_key"),
+            "correlation_id": r.properties.get("correlation_id")}
 
 
 @app.task(bind=True)

@@ -125,7 +125,8 @@ class Dispatch:
                    delivery_info, self._track_started(delivery.task),
                    delivery.queue, priority,
                    delivery.policy.acks_late, claim_owner=self.claim_owner(delivery.seq),
-                   claim_ttl=self.current.settings.visibility_timeout)
+                   claim_ttl=self.current.settings.visibility_timeout,
+                   properties=dict(message.properties or {}))
 
     def _ack_at_start(self, delivery: Delivery) -> None:
         """At-most-once: acked before a child gets it, so an ack that fails never lets it

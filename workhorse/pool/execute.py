@@ -84,7 +84,8 @@ class TaskExecution:
             root_id=request.root_id, parent_id=request.parent_id, group=request.group,
             group_index=request.group_index, origin=request.origin, eta=request.eta,
             expires=request.expires, hostname=self.hostname, delivery_info=job.delivery_info,
-            headers=dict(request.headers), timelimit=(request.time_limit, request.soft_time_limit),
+            headers=dict(request.headers), properties=job.properties,
+            timelimit=(request.time_limit, request.soft_time_limit),
             called_directly=False, priority=job.priority, queue=job.queue,
             callbacks=embed.get("callbacks"), errbacks=embed.get("errbacks"),
             chain=embed.get("chain"), chord=embed.get("chord"))

@@ -14,7 +14,7 @@ import errno
 import os
 import pickle
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 _LEN = struct.Struct("!I")
@@ -43,6 +43,8 @@ class Job:
     #: Idempotent tasks: who claims the task's key for this run, and for how long.
     claim_owner: str = ""
     claim_ttl: float = 0.0
+    #: The message's properties (correlation_id, reply_to, priority, ...): request.properties.
+    properties: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
