@@ -237,6 +237,28 @@ def test_a_requeued_message_is_seen_as_redelivered_with_its_priority(broker, cli
     assert result.get(timeout=30) == [True, 3]
 
 
+@pytest.mark.parametrize("shape", ["group last", "chord last", "group then task",
+                                   "chord then task"])
+def test_chains_holding_groups_and_chords(broker, client, start_worker, shape):
+    """As Celery runs them: a group's tasks get the previous result, a task after a group
+    gets the group's results (the pair becomes a chord), the rest of a chain follows a
+    chord's body; the chain's result is known when it is sent."""
+    from tests.apps.basic import add, collect, mul
+    from workhorse import chord, group
+    start_worker(broker)
+    header = group(add.s(10), add.s(20))
+    canvas = {"group last": chain(add.s(1, 1), header),
+              "chord last": chain(add.s(1, 1), chord(header, collect.s())),
+              "group then task": add.s(1, 1) | header | collect.s(),
+              "chord then task": chain(add.s(1, 1), chord(header, collect.s()), mul.s(2))}[shape]
+    result = canvas.apply_async()
+    if shape == "group last":
+        assert result.join(timeout=30) == [12, 22]
+    else:
+        expected = [12, 22, 12, 22] if shape == "chord then task" else [12, 22]
+        assert result.get(timeout=30) == expected
+
+
 def test_immutable_signature_ignores_the_previous_result(broker, client, start_worker):
     from tests.apps.basic import add
     start_worker(broker)

@@ -107,6 +107,13 @@ class Signature(dict[str, Any]):
             return chain(self, *other.tasks, app=self._app)
         return chain(self, other, app=self._app)
 
+    def freeze_result(self, parent: AsyncResult | GroupResult | None = None
+                      ) -> AsyncResult | GroupResult:
+        """Fix the id its result will have (a chain step's, known before it is sent)."""
+        self.options.setdefault("task_id", new_task_id())
+        return AsyncResult(self.options["task_id"], app=self.app,
+                           parent=parent)  # type: ignore[arg-type]
+
     # -- calling
     def apply_async(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
                     **options: Any) -> AsyncResult:
@@ -162,20 +169,20 @@ class chain(Signature):  # Celery's name
     def __or__(self, other: Signature) -> chain:  # type: ignore[override]
         return chain(*self.tasks, other, app=self._app)
 
-    def apply_async(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
-                    **options: Any) -> AsyncResult:
+    def apply_async(self, args: Sequence[Any] = (),  # type: ignore[override]
+                    kwargs: Mapping[str, Any] | None = None,
+                    **options: Any) -> AsyncResult | GroupResult:
         errbacks = [*self.options.get("link_error", ()), *_as_list(options.pop("link_error", None))]
-        steps = [task.clone() for task in self.tasks]
+        steps = _upgrade_groups([copy_signature(t, self._app) for t in self.tasks], self._app)
+        result: AsyncResult | GroupResult | None = None
         for step in steps:
-            # known now: the chain's result is its last step's
-            step.options.setdefault("task_id", new_task_id())
             for errback in errbacks:
                 step.link_error(errback)
+            # Known now, as Celery freezes a chain: each step's result has the previous
+            # one as its parent, and the chain's result is its last step's.
+            result = step.freeze_result(result)
         first, rest = steps[0], steps[1:]
         first.apply_async(args, kwargs, chain=list(reversed(rest)) or None, **options)
-        result = None
-        for step in steps:     # each step's result has the previous one as its parent
-            result = AsyncResult(step.options["task_id"], app=self.app, parent=result)
         assert result is not None
         return result
 
@@ -216,6 +223,14 @@ class group(Signature):  # Celery's name
             members.append(member)
         return group_id, members
 
+    def freeze_result(self, parent: AsyncResult | GroupResult | None = None) -> GroupResult:
+        """Fix the group's and its members' ids in place (a chain step, sent later)."""
+        group_id, members = self.freeze()
+        self.options["task_id"] = group_id
+        self.kwargs["tasks"] = members
+        return GroupResult(group_id, [AsyncResult(m.options["task_id"], app=self.app)
+                                      for m in members], app=self.app)
+
     # A group's result is a GroupResult, as in Celery.
     def apply_async(self, args: Sequence[Any] = (),  # type: ignore[override]
                     kwargs: Mapping[str, Any] | None = None, **options: Any) -> GroupResult:
@@ -245,6 +260,13 @@ class chord(Signature):  # Celery's name
         if body is not None:
             self.kwargs["body"] = body
         return self.apply_async(**options)
+
+    def freeze_result(self, parent: AsyncResult | GroupResult | None = None) -> AsyncResult:
+        """A chord's result is its body's: fix the body's id in place."""
+        body = self.kwargs["body"]
+        if body is None:
+            raise ValueError("a chord needs a body: chord(header, body) or chord(header)(body)")
+        return body.freeze_result(parent)
 
     def apply_async(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
                     **options: Any) -> AsyncResult:
@@ -299,6 +321,32 @@ def signature(value: Mapping[str, Any], app: App | None = None) -> Signature:
     made.options.update(value.get("options") or {})
     made["immutable"] = bool(value.get("immutable"))
     return made
+
+
+def copy_signature(value: Mapping[str, Any], app: App | None = None) -> Signature:
+    """A deep copy of a signature of any kind (group, chord and chain included): its
+    options can be changed without touching the original's."""
+    return signature(_plain(value), app or getattr(value, "_app", None))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
+def _upgrade_groups(steps: list[Signature], app: App | None) -> list[Signature]:
+    """``… | group | step …`` becomes ``… | chord(group, step) …``, as Celery upgrades
+    it: the step after a group gets the group's results, once they are all in."""
+    upgraded: list[Signature] = []
+    for step in steps:
+        if upgraded and isinstance(upgraded[-1], group):
+            upgraded[-1] = chord(upgraded[-1], step, app=app)
+        else:
+            upgraded.append(step)
+    return upgraded
 
 
 def _as_list(value: Any) -> list[Any]:
