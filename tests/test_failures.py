@@ -259,6 +259,27 @@ def test_chains_holding_groups_and_chords(broker, client, start_worker, shape):
         assert result.get(timeout=30) == expected
 
 
+@pytest.mark.parametrize(("kind", "value"), [("task", 5), ("chain", 20),
+                                           ("group", [2, 4])])
+def test_a_replaced_task_gives_its_id_callbacks_and_chain_to_its_replacement(
+        broker, client, start_worker, kind, value):
+    """Celery's Task.replace: the replacement's result is the replaced task's, its link
+    callback and the rest of its chain follow the replacement."""
+    import uuid
+
+    from tests.apps.basic import collect, replace_with
+    from workhorse import chord, group
+    start_worker(broker)
+    callback_id = str(uuid.uuid4())
+    replaced = replace_with.apply_async((kind,), link=collect.s().set(task_id=callback_id))
+    assert replaced.get(timeout=30) == value
+    assert client.AsyncResult(callback_id).get(timeout=30) == value
+    chained = (replace_with.si(kind) | collect.s()).apply_async()
+    assert chained.get(timeout=30) == value and chained.parent.get(timeout=5) == value
+    member = chord(group(replace_with.si(kind), collect.si(7)), collect.s()).apply_async()
+    assert member.get(timeout=30) == [value, 7]         # its place in a chord, too
+
+
 def test_immutable_signature_ignores_the_previous_result(broker, client, start_worker):
     from tests.apps.basic import add
     start_worker(broker)

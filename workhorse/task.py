@@ -6,12 +6,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 from ._state import current_context, new_task_id, pop_context, push_context
-from .canvas import Signature
+from .canvas import Signature, chain, chord, copy_signature, group, signature
 from .config.task_options import TASK_OPTIONS, TaskOptionError, check_options, check_time_limits
-from .exceptions import MaxRetriesExceededError, Retry
+from .exceptions import Ignore, MaxRetriesExceededError, Retry
 from .protocol import countdown_to_eta, custom_headers, utcnow
 from .retrying import retry_arguments
 
@@ -267,6 +267,49 @@ class Task:
         if throw:
             raise signal
         return signal
+
+    # -- replacing
+    def replace(self, sig: Signature) -> NoReturn:
+        """Replace this running task by ``sig``, as Celery's ``Task.replace`` does.
+
+        ``sig`` (its last task, for a chain; its body, for a chord; a group becomes a chord
+        whose body gathers the group's results) takes over this task's id, so its result is
+        this task's; it takes over its callbacks, error callbacks, place in a group or
+        chord, and the rest of its chain. It is sent now, and this task ends with Ignore:
+        its message is acked and nothing is stored for it (the replacement stores its result
+        under the id). A crash between the two can send the replacement twice, never lose
+        it.
+        """
+        request = self.request
+        if request.called_directly or request.id is None:
+            raise RuntimeError(f"task {self.name} called directly: it cannot be replaced")
+        if sig.options.get("chord"):
+            raise ValueError("a signature that replaces a task must not be part of a chord")
+        if isinstance(sig, chain) and not sig.tasks:
+            raise ValueError("a task cannot be replaced by an empty chain")
+        replacement = copy_signature(sig, self.app)
+        if isinstance(replacement, group):
+            replacement = chord(replacement, self.app.tasks["celery.accumulate"].s(index=0),
+                                app=self.app)
+        last = replacement
+        while isinstance(last, (chain, chord)):
+            last = last.tasks[-1] if isinstance(last, chain) else last.kwargs["body"]
+        nesting = (request.headers.get("replaced_task_nesting") or 0) + 1
+        last.set(task_id=request.id, headers={"replaced_task_nesting": nesting})
+        if request.group:
+            last.set(group_id=request.group, group_index=request.group_index)
+        if request.chord:
+            last.set(chord=request.chord)
+        for callback in request.callbacks or ():
+            last.link(signature(callback, self.app))
+        for errback in request.errbacks or ():
+            replacement.link_error(signature(errback, self.app))
+        if request.chain:
+            replacement = chain(replacement, *(signature(step, self.app)
+                                               for step in reversed(request.chain)),
+                                app=self.app)
+        replacement.apply_async(root_id=request.root_id)
+        raise Ignore(f"replaced by {replacement!r}")
 
     def __repr__(self) -> str:
         return f"<task {self.name}>"

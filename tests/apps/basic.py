@@ -372,6 +372,14 @@ def start_workflow(kind):
     return add.delay(2, 2)
 
 
+@app.task(bind=True)
+def replace_with(self, kind):
+    """Replaces itself, as Celery's Task.replace: by a task, a chain or a group."""
+    replacement = {"task": add.si(2, 3), "chain": add.si(1, 1) | mul.s(10),
+                   "group": group(add.si(1, 1), add.si(2, 2))}[kind]
+    self.replace(replacement)
+
+
 @app.task
 def get_inside():
     return add.delay(1, 1).get(timeout=5)
