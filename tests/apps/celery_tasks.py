@@ -18,3 +18,19 @@ def add(x, y):
 @app.task(name="celery_tasks.fail")
 def fail(message):
     raise ValueError(message)
+
+
+# The same tasks as tests.apps.basic, under its names: a Celery worker consuming beside a
+# workhorse worker (a fleet part-way through a migration) runs either's messages.
+@app.task(name="tests.apps.basic.add")
+def mirror_add(x, y):
+    return x + y
+
+
+@app.task(name="tests.apps.basic.collect", bind=True)
+def mirror_collect(self, results):
+    path = os.environ.get("WH_TEST_RUNLOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"collect {self.request.id} {os.getpid()}\n")
+    return results
