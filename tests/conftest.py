@@ -248,6 +248,34 @@ class Worker:
         self._log.close()
 
 
+@contextlib.contextmanager
+def celery_worker(tmp_path: Path, broker: BrokerEnv, results_url: str, *args: str,
+                  **env: str) -> Iterator[Path]:
+    """A real Celery worker (``tests.apps.celery_tasks``) on ``broker``'s queue, storing in
+    ``results_url``, ready; yields its log's path. ``args``: more worker options."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("WORKHORSE_")}
+    environment.update(PYTHONPATH=str(ROOT), WH_CELERY_BROKER=broker.url,
+                       WH_CELERY_BACKEND=results_url, WH_CELERY_QUEUE=broker.queue,
+                       WH_TEST_RUNLOG=str(tmp_path / "runs.log"), **env)
+    log_path = tmp_path / f"celery-{uuid.uuid4().hex[:6]}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tests.apps.celery_tasks", "worker",
+             "-Q", broker.queue, "--without-gossip", "--without-mingle", "--without-heartbeat",
+             "-l", "INFO", "-n", f"celery-{broker.queue}@%h", *args],
+            cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    try:
+        wait_until(lambda: b" ready." in log_path.read_bytes() or proc.poll() is not None, 60,
+                   "the Celery worker")
+        assert proc.poll() is None, log_path.read_text(errors="replace")
+        yield log_path
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
 def worker_env(broker: BrokerEnv, tmp_path: Path, **settings: object) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKHORSE_")}
     env.update({

@@ -2,16 +2,11 @@
 RabbitMQ queue, results in one Redis. Tier 3, with a real Celery worker."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-
 import pytest
 
 from workhorse import chord
 
-from .conftest import REDIS_URL, ROOT, make_broker, require_service, runs, wait_until
+from .conftest import REDIS_URL, celery_worker, make_broker, require_service, runs, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 REDIS_RESULTS = REDIS_URL.rsplit("/", 1)[0] + "/1"
@@ -24,38 +19,26 @@ def test_celery_and_workhorse_workers_share_a_rabbitmq_queue_and_a_chord(
     require_service("Redis", 6379)
     pytest.importorskip("celery")
     broker = make_broker("amqp", tmp_path)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKHORSE_")}
-    env.update(PYTHONPATH=str(ROOT), WH_CELERY_BROKER=broker.url,
-               WH_CELERY_BACKEND=REDIS_RESULTS, WH_CELERY_QUEUE=broker.queue,
-               WH_TEST_RUNLOG=str(tmp_path / "runs.log"))
-    log = open(tmp_path / "celery.log", "wb")
-    celery_worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "tests.apps.celery_tasks", "worker", "-c", "2",
-         "-P", "prefork", "-Q", broker.queue, "--without-gossip", "--without-mingle",
-         "--without-heartbeat", "-l", "INFO", "-n", f"celery-{broker.queue}@%h"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        start_worker(broker, result_backend=REDIS_RESULTS)
-        wait_until(lambda: b"ready" in (tmp_path / "celery.log").read_bytes(), 60,
-                   "the Celery worker")
-        monkeypatch.setenv("WORKHORSE_BROKER_URL", broker.url)
-        monkeypatch.setenv("WORKHORSE_RESULT_BACKEND", REDIS_RESULTS)
-        monkeypatch.setenv("WORKHORSE_QUEUES", broker.queue)
-        monkeypatch.setenv("WORKHORSE_STATE_DIR", str(tmp_path / "state"))
-        from tests.apps import basic
-        basic.app.configure()
-        singles = [basic.add.delay(i, i) for i in range(40)]
-        assert [r.get(timeout=60) for r in singles] == [2 * i for i in range(40)]
-        result = chord([basic.add.s(i, 1) for i in range(30)], basic.collect.s()).apply_async()
-        assert result.get(timeout=90) == [i + 1 for i in range(30)]
-        wait_until(lambda: any(r[1] == result.id for r in runs(tmp_path)), 10, "body's run")
-        assert [r for r in runs(tmp_path) if r[1] == result.id][1:] == []   # once
-        celery_log = (tmp_path / "celery.log").read_text(errors="replace")
-        assert "tests.apps.basic.add" in celery_log and "succeeded" in celery_log  # both ran
+        with celery_worker(tmp_path, broker, REDIS_RESULTS, "-c", "2", "-P", "prefork") as log:
+            start_worker(broker, result_backend=REDIS_RESULTS)
+            monkeypatch.setenv("WORKHORSE_BROKER_URL", broker.url)
+            monkeypatch.setenv("WORKHORSE_RESULT_BACKEND", REDIS_RESULTS)
+            monkeypatch.setenv("WORKHORSE_QUEUES", broker.queue)
+            monkeypatch.setenv("WORKHORSE_STATE_DIR", str(tmp_path / "state"))
+            from tests.apps import basic
+            basic.app.configure()
+            singles = [basic.add.delay(i, i) for i in range(40)]
+            assert [r.get(timeout=60) for r in singles] == [2 * i for i in range(40)]
+            result = chord([basic.add.s(i, 1) for i in range(30)],
+                           basic.collect.s()).apply_async()
+            assert result.get(timeout=90) == [i + 1 for i in range(30)]
+            wait_until(lambda: any(r[1] == result.id for r in runs(tmp_path)), 10,
+                       "the body's run")
+            assert [r for r in runs(tmp_path) if r[1] == result.id][1:] == []   # once
+            celery_log = log.read_text(errors="replace")
+            assert "tests.apps.basic.add" in celery_log and "succeeded" in celery_log
     finally:
-        os.killpg(celery_worker.pid, signal.SIGKILL)
-        celery_worker.wait(10)
-        log.close()
         from tests.apps import basic
         basic.app.close()
         broker.cleanup()

@@ -2,10 +2,9 @@
 groups, chords, expiry, caching, and reading each other's results with Celery."""
 from __future__ import annotations
 
-import os
+import json
 import signal
-import subprocess
-import sys
+from datetime import datetime
 
 import pytest
 import redis
@@ -13,7 +12,14 @@ import redis
 from workhorse import ChordError, GroupResult, chord, group
 from workhorse.states import FAILURE, PENDING, RETRY, REVOKED, STARTED, SUCCESS
 
-from .conftest import REDIS_URL, ROOT, make_broker, require_service, runs, wait_until
+from .conftest import (
+    REDIS_URL,
+    celery_worker,
+    make_broker,
+    require_service,
+    runs,
+    wait_until,
+)
 from .test_delivery import failure, starts
 
 pytestmark = pytest.mark.timeout(180)
@@ -226,33 +232,56 @@ def test_workhorse_reads_a_celery_workers_results(tmp_path, monkeypatch):
     require_service("Redis", 6379)
     pytest.importorskip("celery")
     broker = make_broker("redis", tmp_path)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKHORSE_")}
-    env.update(PYTHONPATH=str(ROOT), WH_CELERY_BROKER=broker.url, WH_CELERY_BACKEND=REDIS_RESULTS,
-               WH_CELERY_QUEUE=broker.queue)
-    log = open(tmp_path / "celery.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tests.apps.celery_tasks",
-                             "worker", "-c", "1", "-P", "solo", "--without-gossip",
-                             "--without-mingle", "--without-heartbeat", "-l", "INFO"],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
     try:
-        monkeypatch.setenv("WORKHORSE_BROKER_URL", broker.url)
-        monkeypatch.setenv("WORKHORSE_RESULT_BACKEND", REDIS_RESULTS)
-        monkeypatch.setenv("WORKHORSE_STATE_DIR", str(tmp_path / "state"))
-        from tests.apps import basic
-        basic.app.configure()
-        ok = basic.app.send_task("celery_tasks.add", (20, 22), queue=broker.queue)
-        bad = basic.app.send_task("celery_tasks.fail", ("celery says no",), queue=broker.queue)
-        assert ok.get(timeout=60) == 42
-        with pytest.raises(ValueError) as raised:
-            bad.get(timeout=30)
-        assert raised.value.args == ("celery says no",) and "ValueError" in bad.traceback
+        with celery_worker(tmp_path, broker, REDIS_RESULTS, "-c", "1", "-P", "solo"):
+            monkeypatch.setenv("WORKHORSE_BROKER_URL", broker.url)
+            monkeypatch.setenv("WORKHORSE_RESULT_BACKEND", REDIS_RESULTS)
+            monkeypatch.setenv("WORKHORSE_STATE_DIR", str(tmp_path / "state"))
+            from tests.apps import basic
+            basic.app.configure()
+            ok = basic.app.send_task("celery_tasks.add", (20, 22), queue=broker.queue)
+            bad = basic.app.send_task("celery_tasks.fail", ("celery says no",),
+                                      queue=broker.queue)
+            assert ok.get(timeout=60) == 42
+            with pytest.raises(ValueError) as raised:
+                bad.get(timeout=30)
+            assert raised.value.args == ("celery says no",) and "ValueError" in bad.traceback
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        log.close()
+        from tests.apps import basic
         basic.app.close()
         broker.cleanup()
+
+
+def test_a_celery_client_finds_the_same_result_from_either_worker(tmp_path, start_worker):
+    """The same Celery client call, run by a Celery worker and by a workhorse worker (both
+    with result_extended): the stored results have the same fields and values, but for
+    ids, times and the worker's name."""
+    require_service("Redis", 6379)
+    celery = pytest.importorskip("celery")
+    theirs, ours = make_broker("redis", tmp_path), make_broker("redis", tmp_path)
+    client = celery.Celery("compare", broker=theirs.url, backend=REDIS_RESULTS)
+    store = redis.Redis.from_url(REDIS_RESULTS)
+    try:
+        with celery_worker(tmp_path, theirs, REDIS_RESULTS, "-c", "1", "-P", "solo",
+                           WH_CELERY_EXTENDED="1"):
+            start_worker(ours, result_backend=REDIS_RESULTS, result_extended=True)
+            stored = {}
+            for broker in (theirs, ours):
+                result = client.send_task("tests.apps.basic.add", (2, 3), queue=broker.queue)
+                assert result.get(timeout=30) == 5
+                stored[broker.queue] = json.loads(store.get(f"celery-task-meta-{result.id}"))
+        celery_meta, workhorse_meta = stored[theirs.queue], stored[ours.queue]
+        assert set(workhorse_meta) == set(celery_meta)
+        for meta, broker in ((celery_meta, theirs), (workhorse_meta, ours)):
+            assert meta.pop("queue") == broker.queue
+            assert datetime.fromisoformat(meta.pop("date_done")).utcoffset() is not None
+            assert meta.pop("task_id") and meta.pop("worker")
+        assert workhorse_meta == celery_meta
+    finally:
+        client.close()
+        store.close()
+        theirs.cleanup()
+        ours.cleanup()
 
 
 # ---------------------------------------------------------------- Redis specifics

@@ -7,7 +7,8 @@ from celery import Celery
 app = Celery("celery_tasks", broker=os.environ.get("WH_CELERY_BROKER"),
              backend=os.environ.get("WH_CELERY_BACKEND"))
 app.conf.update(task_default_queue=os.environ.get("WH_CELERY_QUEUE", "celery"),
-                worker_hijack_root_logger=False, broker_connection_retry_on_startup=True)
+                worker_hijack_root_logger=False, broker_connection_retry_on_startup=True,
+                result_extended=os.environ.get("WH_CELERY_EXTENDED") == "1")
 
 
 @app.task(name="celery_tasks.add")
