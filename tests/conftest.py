@@ -276,6 +276,19 @@ def celery_worker(tmp_path: Path, broker: BrokerEnv, results_url: str, *args: st
         proc.wait(10)
 
 
+def basic_client(monkeypatch: pytest.MonkeyPatch, broker: BrokerEnv, results_url: str,
+                 tmp_path: Path):
+    """The test app (tests.apps.basic) as a client of ``broker`` storing in ``results_url``;
+    the caller closes it (``basic.app.close()``)."""
+    monkeypatch.setenv("WORKHORSE_BROKER_URL", broker.url)
+    monkeypatch.setenv("WORKHORSE_RESULT_BACKEND", results_url)
+    monkeypatch.setenv("WORKHORSE_QUEUES", broker.queue)
+    monkeypatch.setenv("WORKHORSE_STATE_DIR", str(tmp_path / "state"))
+    from tests.apps import basic
+    basic.app.configure()
+    return basic
+
+
 def worker_env(broker: BrokerEnv, tmp_path: Path, **settings: object) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKHORSE_")}
     env.update({

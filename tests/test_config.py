@@ -54,6 +54,7 @@ SAMPLES = {
     "state_dir": ("/var/lib/wh", Path("/var/lib/wh")),
     "broker_url": ("redis://localhost:6379/0", "redis://localhost:6379/0"),
     "visibility_timeout": ("45", 45.0),
+    "celery_visibility_timeout": ("7200", 7200.0),
     "result_backend": ("redis://localhost/1", "redis://localhost/1"),
     "result_expires": ("60", 60.0),
     "acks_late": ("false", False),

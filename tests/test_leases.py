@@ -250,3 +250,33 @@ def test_forgetting_a_lost_lease_takes_back_its_count_from_the_new_holder(redis_
     finally:
         a_conn.release()
         b_conn.release()
+
+
+@pytest.mark.parametrize("foreign_visibility", [3600, 30])
+def test_a_lease_another_kind_of_consumer_took_is_swept_only_after_celerys_timeout(
+        redis_queue, foreign_visibility, caplog):
+    """A Celery worker's BRPOP (kombu's own transport) counts no delivery and renews
+    nothing: a workhorse sweep leaves its lease until celery_visibility_timeout, saying so,
+    instead of running a live Celery worker's long task twice."""
+    _publish(REDIS_URL, redis_queue, None)
+    celery_like = Connection(REDIS_URL, transport_options={"visibility_timeout": 3600})
+    ours = Connection(REDIS_URL, transport=REDIS_TRANSPORT, transport_options={
+        "visibility_timeout": 1, "foreign_visibility_timeout": foreign_visibility})
+    server = redis.Redis.from_url(REDIS_URL)
+    try:
+        held = ensure_queue(celery_like, redis_queue)(celery_like.channel()).get(no_ack=False)
+        server.zadd("unacked_index", {held.delivery_tag: time.time() - 60})   # held 60 s
+        channel = ours.channel()
+        with caplog.at_level("WARNING", logger="workhorse.transport.redis"):
+            channel.qos.restore_visible(num=None, interval=1)
+        again = ensure_queue(ours, redis_queue)(channel).get(no_ack=False)
+        if foreign_visibility == 3600:
+            assert again is None and server.hexists("unacked", held.delivery_tag)
+            assert "not a workhorse worker" in caplog.text
+        else:                                   # past celery_visibility_timeout: put back
+            assert again is not None and again.delivery_tag == held.delivery_tag
+            again.ack()
+    finally:
+        held.ack()
+        celery_like.release()
+        ours.release()

@@ -14,6 +14,7 @@ from workhorse.states import FAILURE, PENDING, RETRY, REVOKED, STARTED, SUCCESS
 
 from .conftest import (
     REDIS_URL,
+    basic_client,
     celery_worker,
     make_broker,
     require_service,
@@ -234,11 +235,7 @@ def test_workhorse_reads_a_celery_workers_results(tmp_path, monkeypatch):
     broker = make_broker("redis", tmp_path)
     try:
         with celery_worker(tmp_path, broker, REDIS_RESULTS, "-c", "1", "-P", "solo"):
-            monkeypatch.setenv("WORKHORSE_BROKER_URL", broker.url)
-            monkeypatch.setenv("WORKHORSE_RESULT_BACKEND", REDIS_RESULTS)
-            monkeypatch.setenv("WORKHORSE_STATE_DIR", str(tmp_path / "state"))
-            from tests.apps import basic
-            basic.app.configure()
+            basic = basic_client(monkeypatch, broker, REDIS_RESULTS, tmp_path)
             ok = basic.app.send_task("celery_tasks.add", (20, 22), queue=broker.queue)
             bad = basic.app.send_task("celery_tasks.fail", ("celery says no",),
                                       queue=broker.queue)
@@ -288,12 +285,7 @@ def test_a_celery_client_finds_the_same_result_from_either_worker(tmp_path, star
 def test_waiting_on_redis_does_not_poll(tmp_path, start_worker, monkeypatch):
     require_service("Redis", 6379)
     broker = make_broker("sqlite", tmp_path)
-    monkeypatch.setenv("WORKHORSE_BROKER_URL", broker.url)
-    monkeypatch.setenv("WORKHORSE_RESULT_BACKEND", REDIS_RESULTS)
-    monkeypatch.setenv("WORKHORSE_QUEUES", broker.queue)
-    monkeypatch.setenv("WORKHORSE_STATE_DIR", str(tmp_path / "state"))
-    from tests.apps import basic
-    basic.app.configure()
+    basic = basic_client(monkeypatch, broker, REDIS_RESULTS, tmp_path)
     start_worker(broker, result_backend=REDIS_RESULTS)
     server = redis.Redis.from_url(REDIS_RESULTS)
 

@@ -144,6 +144,7 @@ class App:
         if scheme in ("redis", "rediss"):
             # kombu's Redis transport with renewable leases and lease-checked acks.
             options["transport"] = REDIS_TRANSPORT
+            transport_options["foreign_visibility_timeout"] = settings.celery_visibility_timeout
             # A silent server (a network partition) fails a call instead of blocking the
             # worker's loop until TCP gives up.
             transport_options.update(socket_timeout=BROKER_TIMEOUT,

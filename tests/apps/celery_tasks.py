@@ -35,3 +35,14 @@ def mirror_collect(self, results):
         with open(path, "a") as f:
             f.write(f"collect {self.request.id} {os.getpid()}\n")
     return results
+
+
+@app.task(name="tests.apps.basic.record", bind=True)
+def mirror_record(self, seconds=0.0):
+    import time
+    path = os.environ.get("WH_TEST_RUNLOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"record {self.request.id} {os.getpid()}\n")
+    time.sleep(seconds)
+    return self.request.id

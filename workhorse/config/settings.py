@@ -132,6 +132,13 @@ SETTINGS: tuple[Setting, ...] = (
             "the broker hands it out again. A live worker renews the leases of everything it "
             "holds every visibility_timeout/4 s, so this bounds only how long a dead worker's "
             "messages wait. Workers sharing a broker should use the same value.", reload=False),
+    Setting("celery_visibility_timeout", "broker", t.seconds(positive=True), 3600.0,
+            "Redis: how long a message held by a consumer that is not a workhorse worker (a "
+            "Celery worker on the same database, whose leases nothing renews) stays leased "
+            "before a workhorse worker's sweep puts it back: set it to the Celery workers' "
+            "visibility_timeout (Celery's default: 3600), so that their long tasks are not run "
+            "twice. Each such message is logged once as it passes visibility_timeout.",
+            reload=False),
     Setting("broker_connection_retry_on_startup", "broker", t.boolean(), True,
             "Keep trying, with back-off, when the broker cannot be reached at start (the "
             "worker is up meanwhile: signals, children, watchdog); false: exit with status 1 "

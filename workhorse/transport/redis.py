@@ -42,11 +42,15 @@ messages for long (Celery's well-known duplicates):
    the script could read but Python cannot (invalid UTF-8, a body that is not base64) is
    replaced by its envelope the same way, from its unacked entry, while the lease is ours.
 
+6. Celery *workers* consuming the same database renew nothing, so our short timeout says
+   nothing about whether one holding a message is alive. Their leases have no delivery
+   count (every lease of ours has one, ``take`` or ``_record``): the sweep leaves such a
+   lease until the channel's ``foreign_visibility_timeout`` (the celery_visibility_timeout
+   setting) and logs it once, instead of running a live Celery worker's long task twice.
+
 The keys and the message layout are kombu's own: Celery producers feed these workers, and
-kombu's sweep (run by every consumer) restores what a dead worker held. Celery *workers*
-should not consume from the same Redis database: they renew nothing, so a workhorse
-worker's short-timeout sweep would put back their long tasks. Scores are wall-clock
-times: the hosts' clocks must agree to well within visibility_timeout/4.
+kombu's sweep (run by every consumer) restores what a dead worker held. Scores are
+wall-clock times: the hosts' clocks must agree to well within visibility_timeout/4.
 """
 from __future__ import annotations
 
@@ -170,9 +174,11 @@ class QoS(redis.QoS):
         self._unrecorded: dict[str, str] = {}
         #: tag -> score, for messages Channel.take recorded, until append() sees them.
         self._taken: dict[str, float] = {}
-        #: Tags whose delivery Channel.take counted, while we hold them: a clean hand-back
-        #: takes the count back (a message fetched otherwise was not counted).
+        #: Tags whose delivery we counted (Channel.take, or _record for a basic_get), while
+        #: we hold them: a clean hand-back takes the count back.
         self._counted: set[str] = set()
+        #: Leases of other consumers (not workhorse workers) the sweep has logged.
+        self._foreign_seen: set[str] = set()
 
     def append(self, message: Any, delivery_tag: str) -> None:
         if delivery_tag in self._taken:    # recorded (and counted) by the script that took it
@@ -186,6 +192,7 @@ class QoS(redis.QoS):
         self._scores[delivery_tag] = score
         try:
             self._record(delivery_tag, entry, score)
+            self._counted.add(delivery_tag)
         except self.channel.connection_errors as exc:
             # BRPOP took it off its list already: dropping it here would lose it. Keep it
             # (it is delivered and runs) and record its lease once Redis answers again.
@@ -195,15 +202,20 @@ class QoS(redis.QoS):
         virtual.QoS.append(self, message, delivery_tag)
 
     def _record(self, tag: str, entry: str, score: float) -> None:
+        """The lease of a message fetched without ``take`` (``basic_get``), counted as a
+        delivery as a take counts it: a lease with no count is another kind of
+        consumer's (``_foreign_and_fresh``)."""
         with self.pipe_or_acquire() as pipe:
             pipe.zadd(self.unacked_index_key, {tag: score}).hset(
-                self.unacked_key, tag, entry).execute()
+                self.unacked_key, tag, entry).hincrby(
+                self.channel.delivery_counts_key, tag, 1).execute()
 
     def _record_late(self) -> None:
         for tag, entry in list(self._unrecorded.items()):
             score = self._scores.get(tag)
             if score is not None:
                 self._record(tag, entry, score)
+                self._counted.add(tag)
             del self._unrecorded[tag]
 
     def ack(self, delivery_tag: str) -> None:
@@ -252,7 +264,8 @@ class QoS(redis.QoS):
         (kombu's sweep calls this for every abandoned message; those not delivered here are
         restored as kombu does, and stay counted.)"""
         if tag not in self._scores:
-            super().restore_by_tag(tag, client, leftmost)
+            if not self._foreign_and_fresh(tag, client):
+                super().restore_by_tag(tag, client, leftmost)
             return
         score = self._scores[tag]
         self._scores[tag] = None      # put back or found lost: this lease is over either way
@@ -283,6 +296,32 @@ class QoS(redis.QoS):
                         "delivered elsewhere is left alone", tag)
             if uncount:
                 self._uncount_lost(tag, None)
+
+    def _foreign_and_fresh(self, tag: str, client: Any) -> bool:
+        """Is ``tag`` a lease no workhorse worker took (a take counts every delivery; a
+        Celery worker's BRPOP counts none), younger than the channel's
+        ``foreign_visibility_timeout``? Its holder renews nothing, so our short timeout
+        says nothing about whether it is alive: sweeping it would run a live Celery
+        worker's long task twice. Logged once per message."""
+        with self.channel.conn_or_acquire(client) as client:
+            counted, score = (client.pipeline().hexists(self.channel.delivery_counts_key, tag)
+                              .zscore(self.unacked_index_key, tag).execute())
+        if counted or score is None:
+            return False
+        age = time() - float(score)
+        if age >= self.channel.foreign_visibility_timeout:
+            return False
+        if tag not in self._foreign_seen:
+            if len(self._foreign_seen) > 10_000:
+                self._foreign_seen.clear()
+            self._foreign_seen.add(tag)
+            log.warning(
+                "message %s: held for %.0f s by a consumer that is not a workhorse worker (a "
+                "Celery worker on this Redis database?), which renews nothing; not put back "
+                "before celery_visibility_timeout (%.0f s). Celery and workhorse workers "
+                "sharing a Redis broker is not supported: see the README", tag, age,
+                self.channel.foreign_visibility_timeout)
+        return True
 
     def _forget_if_ours(self, tag: str) -> None:
         self._record_late()           # (an unrecorded lease is written, then removed)
@@ -334,6 +373,12 @@ class Channel(redis.Channel):
 
     #: The hash of delivery counts (delivery tag -> deliveries counted), beside kombu's keys.
     delivery_counts_key = "delivery_counts"
+    #: How long the sweep leaves a lease no workhorse worker took (QoS._foreign_and_fresh):
+    #: the celery_visibility_timeout setting.
+    foreign_visibility_timeout = 3600.0
+    # kombu types its tuple by its exact length; one more name is still a tuple of names.
+    from_transport_options = (  # type: ignore[assignment]
+        *redis.Channel.from_transport_options, "foreign_visibility_timeout")
 
     def renew(self, tags: Iterable[str]) -> list[str]:
         return self.qos.renew(tags)
