@@ -46,3 +46,29 @@ def mirror_record(self, seconds=0.0):
             f.write(f"record {self.request.id} {os.getpid()}\n")
     time.sleep(seconds)
     return self.request.id
+
+
+# Celery tasks that use Celery's own task API, for a workhorse worker running this app.
+@app.task(name="celery_tasks.retry_once", bind=True)
+def retry_once(self):
+    if self.request.retries == 0:
+        raise self.retry(countdown=0.1)
+    return self.request.retries
+
+
+@app.task(name="celery_tasks.whoami", bind=True)
+def whoami(self):
+    from celery import current_task
+    return [self.request.id, self.request.delivery_info.get("routing_key"),
+            current_task.request.id == self.request.id]
+
+
+@app.task(name="celery_tasks.replaced", bind=True)
+def replaced(self):
+    raise self.replace(add.s(20, 22))
+
+
+@app.task(name="celery_tasks.ignored")
+def ignored():
+    from celery.exceptions import Ignore
+    raise Ignore()

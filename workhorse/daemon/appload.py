@@ -8,6 +8,7 @@ import sysconfig
 from pathlib import Path
 
 from ..app import App
+from ..celeryapp import from_celery, is_celery_app
 from ..exceptions import AppImportError
 
 
@@ -25,10 +26,12 @@ def load_app(spec: str) -> App:
             f"cannot import task module {module_name!r}: {type(exc).__name__}: {exc}") from exc
     if attribute:
         obj = getattr(module, attribute, None)
+        if is_celery_app(obj):
+            return from_celery(obj)
         if not isinstance(obj, App):
             raise AppImportError(
                 f"{module_name}:{attribute} is {'missing' if obj is None else type(obj).__name__}, "
-                "not a workhorse App")
+                "not a workhorse App or a Celery app")
         return obj
     named = getattr(module, "app", None)
     if isinstance(named, App):
@@ -36,6 +39,8 @@ def load_app(spec: str) -> App:
     found = [value for value in vars(module).values() if isinstance(value, App)]
     if len(found) == 1:
         return found[0]
+    if not found and is_celery_app(named):
+        return from_celery(named)
     raise AppImportError(
         f"module {module_name!r} holds {len(found) or 'no'} workhorse App objects; "
         f"name one as {module_name}:<attribute>")

@@ -1,0 +1,53 @@
+"""A Celery app's tasks, unchanged, run by a workhorse worker (``-A module:celery_app``),
+with Celery's client sending and reading. Tier 3: Redis and RabbitMQ brokers, Redis
+results (the store Celery's tasks and client share with the worker)."""
+from __future__ import annotations
+
+import pytest
+
+from .conftest import REDIS_URL, Worker, make_broker, require_service, worker_env
+
+pytestmark = pytest.mark.timeout(120)
+RESULTS_URL = REDIS_URL.rsplit("/", 1)[0] + "/1"
+
+
+@pytest.fixture(params=["redis", "amqp"])
+def celery_client(request, tmp_path):
+    require_service("Redis", 6379)
+    celery = pytest.importorskip("celery")
+    broker = make_broker(request.param, tmp_path)
+    env = worker_env(broker, tmp_path, result_backend=RESULTS_URL)
+    env.update(WH_CELERY_BROKER=broker.url, WH_CELERY_BACKEND=RESULTS_URL,
+               WH_CELERY_QUEUE=broker.queue)
+    worker = Worker(tmp_path, env, ["-A", "tests.apps.celery_tasks:app"])
+    client = celery.Celery("client", broker=broker.url, backend=RESULTS_URL)
+    client.conf.task_default_queue = broker.queue
+    try:
+        worker.wait_ready()
+        yield client, worker
+    finally:
+        worker.kill()
+        client.close()
+        broker.cleanup()
+
+
+def test_a_celery_apps_tasks_run_on_a_workhorse_worker(celery_client):
+    client, worker = celery_client
+    assert client.send_task("celery_tasks.add", (2, 40)).get(timeout=20) == 42
+    with pytest.raises(ValueError, match="no"):
+        client.send_task("celery_tasks.fail", ("no",)).get(timeout=20)
+    assert "tasks: " in worker.log() and "celery_tasks.add" in worker.log()
+
+
+def test_celerys_task_api_works_inside_them(celery_client):
+    """self.request and current_task, self.retry (RETRY stored, then the retry runs),
+    self.replace (the replacement's result under the task's id), and Ignore."""
+    client, _ = celery_client
+    sent = client.send_task("celery_tasks.whoami")
+    task_id, routing_key, current = sent.get(timeout=20)
+    assert task_id == sent.id and routing_key and current is True
+    assert client.send_task("celery_tasks.retry_once").get(timeout=20) == 1
+    assert client.send_task("celery_tasks.replaced").get(timeout=20) == 42
+    ignored = client.send_task("celery_tasks.ignored")
+    assert client.send_task("celery_tasks.add", (1, 1)).get(timeout=20) == 2
+    assert ignored.state == "PENDING"          # Ignore: acked, nothing stored

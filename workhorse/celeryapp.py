@@ -1,0 +1,118 @@
+"""Running a Celery app's tasks on a workhorse worker, unchanged: ``workhorse worker -A
+proj.celery:app`` where ``app`` is a ``celery.Celery``.
+
+Each of the Celery app's tasks (but Celery's built-ins, which workhorse has of its own) is
+registered in a workhorse App under its name, with its ack options, time limits and
+``ignore_result``. workhorse takes, runs, stores and settles as for its own tasks; the task
+body runs with Celery's request pushed, so ``self.request``, ``self.retry()``,
+``self.replace()``, ``autoretry_for`` and ``current_task`` work as under a Celery worker,
+and what the task sends goes through the Celery app (its broker and result settings must
+name the same broker and store as the worker's). Celery's ``Retry``, ``Ignore`` and
+``Reject`` are workhorse's outcomes of the same names; a Celery retry's RETRY state is
+stored as a Celery worker stores it.
+
+Celery is imported only by the user's module: nothing here imports it at module level.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ._state import current_context
+from .app import App
+from .exceptions import Ignore, Reject, Retry
+from .protocol import custom_headers
+
+#: Celery task attributes that are workhorse task options of the same meaning.
+_OPTIONS = ("acks_late", "reject_on_worker_lost", "acks_on_failure_or_timeout", "time_limit",
+            "soft_time_limit", "ignore_result", "track_started")
+
+
+def is_celery_app(obj: object) -> bool:
+    cls = type(obj)
+    return cls.__module__.split(".", 1)[0] == "celery" and any(
+        base.__name__ == "Celery" for base in cls.__mro__)
+
+
+def from_celery(celery_app: Any, main: str | None = None) -> App:
+    """A workhorse App whose tasks run the Celery app's. Settings come from workhorse's
+    sources (config file, env, CLI) as for any App."""
+    celery_app.finalize(auto=True)
+    app = App(main or getattr(celery_app, "main", None) or "celery")
+    for name, task in sorted(celery_app.tasks.items()):
+        if name.startswith("celery.") or name in app.tasks:
+            continue
+        app.task(name=name, typing=False, **_options(task))(_runner(task))
+    return app
+
+
+def _options(task: Any) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for name in _OPTIONS:
+        value = getattr(task, name, None)
+        if value is None:
+            continue
+        if name == "acks_on_failure_or_timeout":
+            options["acks_on_failure"] = options["acks_on_timeout"] = bool(value)
+        elif name in ("time_limit", "soft_time_limit"):
+            options[name] = float(value)
+        else:
+            options[name] = bool(value)
+    if "soft_time_limit" in options and options.get("time_limit", float("inf")) <= options[
+            "soft_time_limit"]:
+        del options["soft_time_limit"]        # Celery allows it; workhorse refuses it
+    return options
+
+
+def _runner(task: Any) -> Callable[..., Any]:
+    """The function workhorse calls: the Celery task's body, with Celery's request."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from celery import exceptions as celery_exceptions   # the user's module imported it
+        from celery._state import _task_stack
+        context = current_context()
+        task.push_request(**_celery_request(context, args, kwargs))
+        _task_stack.push(task)
+        try:
+            return task.run(*args, **kwargs)
+        except celery_exceptions.Retry as retry:
+            if not task.ignore_result and context is not None and context.id:
+                task.backend.mark_as_retry(context.id, retry.exc or retry,
+                                           request=task.request)
+            raise Retry(str(retry), exc=retry.exc, when=retry.when) from retry
+        except celery_exceptions.Ignore as ignore:
+            raise Ignore(*ignore.args) from ignore
+        except celery_exceptions.Reject as reject:
+            raise Reject(reject.reason, requeue=bool(reject.requeue)) from reject
+        finally:
+            _task_stack.pop()
+            task.pop_request()
+    run.__name__ = task.name.rsplit(".", 1)[-1]
+    run.__qualname__ = run.__name__
+    return run
+
+
+def _celery_request(context: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """Celery's request fields, from the message workhorse is running."""
+    if context is None:
+        return {"args": list(args), "kwargs": kwargs, "called_directly": True}
+    headers = context.headers or {}
+    return {
+        "id": context.id, "task": context.task, "args": list(args), "kwargs": kwargs,
+        "retries": context.retries, "root_id": context.root_id,
+        "parent_id": context.parent_id, "group": context.group,
+        "group_index": context.group_index, "origin": context.origin,
+        "eta": headers.get("eta"), "expires": headers.get("expires"),
+        "hostname": context.hostname, "delivery_info": context.delivery_info,
+        # What a retry re-sends as custom headers: the producer's own, never the
+        # protocol's (they would override the retry's id, retries, ...).
+        "headers": custom_headers(headers), "timelimit": list(context.timelimit),
+        "callbacks": context.callbacks, "errbacks": context.errbacks,
+        "chain": context.chain, "chord": context.chord, "is_eager": False,
+        "called_directly": False, "ignore_result": headers.get("ignore_result"),
+        "replaced_task_nesting": headers.get("replaced_task_nesting", 0),
+        "stamped_headers": headers.get("stamped_headers"), "stamps": headers.get("stamps"),
+        "reply_to": (context.properties or {}).get("reply_to"),
+        "correlation_id": (context.properties or {}).get("correlation_id"),
+        "properties": context.properties,
+    }
