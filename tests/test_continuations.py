@@ -124,3 +124,19 @@ def test_a_chord_counts_each_part_once_and_hands_its_completion_to_the_completin
     assert again is not None and [p.result for p in again.parts] == [1, 2]
     store.chord_finished(group_id, again.token)
     assert store.chord_part_return(group_id, "b", 1, SUCCESS, 2) is None   # applied once
+
+
+def test_a_continuation_that_cannot_be_sent_requeues_its_step_then_dead_letters_it(
+        broker, client, start_worker, tmp_path):
+    """Its SUCCESS is stored, its callback cannot be sent (here: a priority the protocol
+    refuses): the message goes back, counted, never acked without it; its redeliveries do
+    not run it again, and past max_deliveries it is dead-lettered, saying why."""
+    from tests.apps.basic import mul, record
+    from tests.test_delivery import dead_letters, starts
+    from workhorse.daemon.consumer import DEAD_REASON_HEADER
+    start_worker(broker)
+    result = record.apply_async(link=mul.s(2).set(priority=999))
+    assert result.get(timeout=30) == result.id
+    [(headers, _)] = dead_letters(broker, 1)
+    assert headers[DEAD_REASON_HEADER].startswith("continuation_failed: ValueError(")
+    assert starts(tmp_path, result.id) == 1          # redeliveries sent, never re-ran
