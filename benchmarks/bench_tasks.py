@@ -28,7 +28,8 @@ celery_app.conf.update(
     broker_url=os.environ.get("CELERY_BROKER_URL"),
     result_backend=os.environ.get("BENCH_RESULTS"),       # throughput runs store none
     task_ignore_result=not os.environ.get("BENCH_RESULTS"),
-    task_acks_late=True, worker_prefetch_multiplier=4, broker_connection_retry_on_startup=True,
+    task_acks_late=os.environ.get("BENCH_ACKS_LATE", "true") == "true",
+    worker_prefetch_multiplier=4, broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False)
 
 
@@ -60,3 +61,14 @@ def add(x: int, y: int) -> int:
 
 app.task(name="bench.add")(add)
 celery_app.task(name="bench.add")(add)
+
+
+def stamp(sent: float) -> None:
+    """Note how long after ``sent`` (wall clock) it started, in $BENCH_STARTS."""
+    started = time.time()
+    with open(os.environ["BENCH_STARTS"], "a") as f:
+        f.write(f"{started - sent}\n")
+
+
+app.task(name="bench.stamp")(stamp)
+celery_app.task(name="bench.stamp")(stamp)

@@ -3,6 +3,9 @@ a real worker daemon run as a subprocess in its own session."""
 from __future__ import annotations
 
 import contextlib
+import gc
+import multiprocessing
+import multiprocessing.util
 import os
 import re
 import signal
@@ -334,6 +337,65 @@ def client(broker: BrokerEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     basic.app.configure()
     yield basic.app
     basic.app.close()
+
+
+class CleanFork:
+    """multiprocessing's fork context for a test, minus what earlier tests left behind.
+
+    A forked copy inherits the test process's garbage and the after-fork hooks its
+    libraries registered. A Celery ``AsyncResult`` collected there unsubscribes from Redis,
+    and kombu's pools close their AMQP connections in their hooks: both talk on the
+    parent's sockets and wait for ever (the hangs seen in CI). So garbage is collected and
+    frozen and the hooks set aside while the test forks. Its processes are daemons, and any
+    still alive at the end are killed: a hung copy fails its test, never the whole run."""
+
+    def __init__(self) -> None:
+        self.ctx = multiprocessing.get_context("fork")
+        self.processes: list = []
+
+    def Process(self, *args: object, **kwargs: object):
+        process = self.ctx.Process(*args, daemon=True, **kwargs)  # type: ignore[misc]
+        self.processes.append(process)
+        return process
+
+    def __getattr__(self, name: str) -> object:   # Queue, Barrier, ...
+        return getattr(self.ctx, name)
+
+
+@pytest.fixture
+def fork_ctx() -> Iterator[CleanFork]:
+    gc.collect()
+    gc.freeze()
+    hooks = dict(multiprocessing.util._afterfork_registry)    # type: ignore[attr-defined]
+    multiprocessing.util._afterfork_registry.clear()           # type: ignore[attr-defined]
+    clean = CleanFork()
+    try:
+        yield clean
+    finally:
+        for process in clean.processes:
+            if process.pid is not None and process.is_alive():
+                process.kill()
+                process.join(10)
+        multiprocessing.util._afterfork_registry.update(hooks)     # type: ignore[attr-defined]
+        gc.unfreeze()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A process a test left running must not keep the run from ending (multiprocessing
+    joins its children at exit): name it and kill it."""
+    import psutil
+    left = []
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if not any(helper in " ".join(process.cmdline())
+                       for helper in ("resource_tracker", "forkserver")):
+                left.append(process)
+    for process in left:
+        with contextlib.suppress(psutil.Error):
+            print(f"\nconftest: killing pid {process.pid} a test left running: "
+                  f"{' '.join(process.cmdline())[:200]}", file=sys.stderr)
+            process.kill()
+    psutil.wait_procs(left, timeout=10)
 
 
 def runs(tmp_path: Path) -> list[tuple[str, str, int]]:

@@ -3,10 +3,12 @@ handles, a broker connection and a result store that record what is asked of the
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -61,9 +63,9 @@ class FakeHandle:
         frames, self.inbox = self.inbox, []
         return frames
 
-    def kill_tree(self) -> None:
+    def kill_tree(self, sig: int = 9) -> None:
         self.killed += 1
-        self.code = -9
+        self.code = -sig
 
     def kill_group(self) -> None:
         self.trace.append(("killpg", self.pid))
@@ -262,7 +264,7 @@ class FakeLink(FakeBroker):
         if not self.credits or self.credits[-1] != count:
             self.credits.append(count)
 
-    def set_room(self, free: int) -> None:
+    def set_room(self, free: int, starved: bool = True) -> None:
         self.rooms.append(free)
 
     def cancel(self) -> None:
@@ -285,11 +287,15 @@ class FakeLink(FakeBroker):
         return "fake broker"
 
 
+#: Where a supervisor built from fake settings writes its health file.
+FAKE_STATE_DIR = Path(tempfile.gettempdir()) / f"workhorse-fake-state-{os.getuid()}"
+
+
 def fake_settings(**overrides: Any) -> Any:
     """Settings as the supervisor reads them: every declared default, then ``overrides``."""
     from workhorse.config import SETTINGS, Settings
     values = {s.name: s.default for s in SETTINGS if not s.derived}
-    values.update({"hostname": "w@test", "concurrency": 2, "state_dir": "/nonexistent",
+    values.update({"hostname": "w@test", "concurrency": 2, "state_dir": FAKE_STATE_DIR,
                    "broker_url": "memory://", "result_backend": "disabled", **overrides})
     return Settings(values, dict.fromkeys(values, "test"), ())
 

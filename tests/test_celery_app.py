@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import REDIS_URL, Worker, make_broker, require_service, worker_env
+from .conftest import REDIS_URL, Worker, make_broker, require_service, wait_until, worker_env
 
 pytestmark = pytest.mark.timeout(120)
 RESULTS_URL = REDIS_URL.rsplit("/", 1)[0] + "/1"
@@ -51,3 +51,26 @@ def test_celerys_task_api_works_inside_them(celery_client):
     ignored = client.send_task("celery_tasks.ignored")
     assert client.send_task("celery_tasks.add", (1, 1)).get(timeout=20) == 2
     assert ignored.state == "PENDING"          # Ignore: acked, nothing stored
+
+
+def test_errbacks_are_called_by_their_arity_as_celery_calls_them(celery_client):
+    """An errback with stored arguments is told apart as Celery does: what it still takes
+    beyond them decides whether it gets the failed task's id (sent as a task) or
+    (request, exc, traceback) (called in the child)."""
+    import redis
+    client, _ = celery_client
+    store = redis.Redis.from_url(RESULTS_URL)
+    errbacks = {"old-args": client.signature("celery_tasks.errback_old_style", ("a",)),
+                "old-kwargs": client.signature("celery_tasks.errback_old_style",
+                                               kwargs={"label": "k"}),
+                "new-args": client.signature("celery_tasks.errback_new_style", ("n",))}
+    expected = {"old-args": b"a", "old-kwargs": b"k", "new-args": b"n: ValueError"}
+    for name, errback in errbacks.items():
+        failing = client.signature("celery_tasks.fail", ("no",))
+        failing.link_error(errback)
+        result = failing.apply_async()
+        with pytest.raises(ValueError):
+            result.get(timeout=20)
+        key = f"errback:{result.id}"
+        wait_until(lambda key=key: store.lrange(key, 0, -1), 20, f"errback {name}")
+        assert store.lrange(key, 0, -1) == [expected[name]], name

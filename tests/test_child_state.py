@@ -29,7 +29,7 @@ class FakeHandle:
 
     at_eof = False
 
-    def kill_tree(self) -> None:
+    def kill_tree(self, sig: int = 9) -> None:
         self.killed += 1
 
     def kill_group(self) -> None:

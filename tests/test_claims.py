@@ -3,7 +3,6 @@ claim, hold, finish, expiry, renewal, release, a race between processes, the pur
 existing SQLite file gaining the claims table."""
 from __future__ import annotations
 
-import multiprocessing
 import sqlite3
 import uuid
 from collections.abc import Callable, Iterator
@@ -167,8 +166,8 @@ def _claim_at_once(url: str, key: str, index: int, barrier: Any, results: Any) -
         results.put((index, repr(exc)))
 
 
-def test_one_of_eight_processes_claiming_at_once_gets_the_claim(url: str) -> None:
-    ctx = multiprocessing.get_context("fork")
+def test_one_of_eight_processes_claiming_at_once_gets_the_claim(url: str, fork_ctx) -> None:
+    ctx = fork_ctx
     for attempt in range(3):        # a race is a matter of timing: give it several chances
         key = new_key()
         barrier, results = ctx.Barrier(8), ctx.Queue()

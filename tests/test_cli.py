@@ -89,6 +89,17 @@ def test_config_prints_effective_settings_with_sources(tmp_path):
     assert tomllib.loads(result.stdout)["worker"]["concurrency"] == 3
 
 
+def test_config_hides_passwords_in_urls(tmp_path):
+    result = run("config", "--broker-url", "amqp://ops:s3cret@rabbit:5672//",
+                 "--result-backend", "redis://:hunter2@cache:6379/1",
+                 env={"WORKHORSE_STATE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert "s3cret" not in result.stdout and "hunter2" not in result.stdout
+    settings = tomllib.loads(result.stdout)
+    assert settings["broker"]["broker_url"] == "amqp://ops:***@rabbit:5672//"
+    assert settings["results"]["result_backend"] == "redis://:***@cache:6379/1"
+
+
 def test_config_includes_the_apps_own_keywords(tmp_path):
     result = run("config", "-A", "tests.apps.keywords", env={"WORKHORSE_STATE_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr

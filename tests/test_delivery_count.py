@@ -90,11 +90,11 @@ def test_a_rabbitmq_redelivery_is_replaced_by_a_copy_carrying_the_loss_never_dup
         return received.pop(0)
     try:
         record.delay()
-        consumer.connect(4, lambda: True)
+        consumer.connect(4, lambda: 4)
         held = receive()
         assert consumer.count_delivery(broker.queue, held) == 1
         consumer._lost(ConnectionError("lost in the test"))     # as a failed read reports it
-        consumer.connect(4, lambda: True)
+        consumer.connect(4, lambda: 4)
         with pytest.raises(BrokerUnavailable):
             consumer.requeue(broker.queue, held)
         again = receive()

@@ -209,6 +209,27 @@ def test_a_failing_chain_step_fails_the_rest_of_the_chain_and_calls_its_errback(
     assert broker.queue_size() == 0           # the later steps were never sent
 
 
+def test_the_rest_of_a_chain_is_failed_in_running_order_so_its_own_result_comes_last():
+    """Tier 1. The chain field lists the later steps last first; they are stored first to
+    last (a chord's body right after its chord), so a client woken by the chain's result
+    failing finds every earlier step failed already (CI once read a PENDING parent)."""
+    import types
+
+    from workhorse.chords import fail_chain
+    stored: list[str] = []
+    backend = types.SimpleNamespace(
+        mark_as_failure=lambda task_id, *args, **kwargs: stored.append(task_id))
+    app = types.SimpleNamespace(backend=backend)
+
+    def step(task_id: str, **extra: object) -> dict:
+        return {"task": "t", "options": {"task_id": task_id}, **extra}
+    body = step("body")
+    later = [step("last"), step("chord", subtask_type="chord", kwargs={"body": body}),
+             step("next")]                                   # as the message carries them
+    fail_chain(app, later, ValueError("x"), None, inline_errbacks=False)  # type: ignore[arg-type]
+    assert stored == ["next", "chord", "body", "last"]
+
+
 def test_a_chain_step_whose_child_is_lost_fails_the_rest_of_the_chain(
         broker, client, start_worker):
     """The supervisor stores that FAILURE (the child is gone): it fails the chain too."""

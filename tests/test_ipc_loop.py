@@ -179,3 +179,55 @@ def test_frames_from_the_child_name_their_sender():
     assert Done(4242, 1, "succeeded").pid == 4242
     assert Claimed(4242, 1, "key", "owner").pid == 4242
     assert Hello(4242).pid == 4242
+
+
+def test_a_wakeup_writes_once_per_batch_and_never_loses_one(monkeypatch):
+    """Tier 1. One byte per batch of puts the reader has not taken; an item is never left
+    in the queue with nothing in the pipe. The interleaving that once lost one: another
+    thread puts while the reader empties the pipe (the reader cleared its flag first, so
+    that put wrote a byte the reader then swallowed, and the next put wrote none)."""
+    import select
+    import threading
+
+    from workhorse.daemon import brokerthread
+    wakeup = brokerthread.Wakeup()
+    for _ in range(3):
+        wakeup.put(lambda: None)
+    assert len(os.read(wakeup.read_fd, 100)) == 1
+    wakeup.take()
+
+    class PutWhileReading:
+        hook = True
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(os, name)
+
+        def read(self, fd: int, size: int) -> bytes:
+            if self.hook:
+                self.hook = False
+                wakeup.put(lambda: None)        # as the other thread would, just now
+            return os.read(fd, size)
+    wakeup.put(lambda: None)
+    monkeypatch.setattr(brokerthread, "os", PutWhileReading())
+    assert len(wakeup.take()) == 2
+    monkeypatch.undo()
+    wakeup.put(lambda: None)
+    assert select.select([wakeup.read_fd], [], [], 0)[0], "a put after a take wakes again"
+    assert len(wakeup.take()) == 1
+
+    total, got = 20_000, 0
+
+    def write() -> None:
+        for n in range(total):
+            wakeup.put(lambda: None)
+            if n % 97 == 0:
+                time.sleep(0)
+    writer = threading.Thread(target=write)
+    writer.start()
+    deadline = time.monotonic() + 60
+    while got < total:
+        assert time.monotonic() < deadline
+        ready = select.select([wakeup.read_fd], [], [], 2.0)[0]
+        assert ready, f"{total - got} items waiting with no byte in the pipe"
+        got += len(wakeup.take())
+    writer.join()

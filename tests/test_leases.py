@@ -16,6 +16,7 @@ from workhorse.transport import REDIS as REDIS_TRANSPORT
 
 from .conftest import REDIS_URL, require_service, runs, wait_until
 from .test_delivery import holds, starts
+from .test_unreadable import _taking
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -250,6 +251,68 @@ def test_forgetting_a_lost_lease_takes_back_its_count_from_the_new_holder(redis_
     finally:
         a_conn.release()
         b_conn.release()
+
+
+def test_one_take_takes_up_to_its_limit_in_order_each_leased_and_counted(redis_queue):
+    """The worker takes as many as it has room for in one Lua step: in queue order, each
+    with its lease and delivery count, never more than the limit."""
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        ensure_queue(conn, redis_queue)
+        producer = Producer(conn)
+        for n in range(8):
+            producer.publish({"n": n}, exchange="", routing_key=redis_queue,
+                             serializer="json")
+        server = redis.Redis.from_url(REDIS_URL)
+        channel, got = _taking(conn, redis_queue)
+        assert channel.take(5)
+        assert [m.payload["n"] for m in got] == [0, 1, 2, 3, 4]
+        assert server.llen(redis_queue) == 3
+        for message in got:
+            assert message.delivery_info["delivery_count"] == 1
+            assert _count(server, message.delivery_tag) == 1
+            assert server.zscore("unacked_index", message.delivery_tag) is not None
+        assert channel.take(64) and [m.payload["n"] for m in got[5:]] == [5, 6, 7]
+        assert not channel.take(64)
+        for message in got:
+            message.ack()
+
+
+def test_acks_in_one_round_trip_remove_only_leases_still_ours(redis_queue, caplog):
+    """``ack_many``: one script for all, and a lease lost meanwhile (the sweep gave the
+    message to another holder) is left to that holder, said in the log."""
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        ensure_queue(conn, redis_queue)
+        for n in range(3):
+            Producer(conn).publish({"n": n}, exchange="", routing_key=redis_queue,
+                                   serializer="json")
+        server = redis.Redis.from_url(REDIS_URL)
+        channel, got = _taking(conn, redis_queue)
+        assert channel.take(3) and len(got) == 3
+        tags = [m.delivery_tag for m in got]
+        server.zadd("unacked_index", {tags[1]: 12345.0})     # now another holder's lease
+        channel.qos.ack_many(tags)
+        assert server.zscore("unacked_index", tags[0]) is None
+        assert server.zscore("unacked_index", tags[2]) is None
+        assert _count(server, tags[0]) is None and _count(server, tags[2]) is None
+        assert server.zscore("unacked_index", tags[1]) == 12345.0
+        assert server.hexists("unacked", tags[1]) and _count(server, tags[1]) == 1
+        assert f"message {tags[1]}: lease lost before it was settled" in caplog.text
+        server.zrem("unacked_index", tags[1])
+        server.hdel("unacked", tags[1])
+        server.hdel("delivery_counts", tags[1])
+
+
+def test_a_script_the_server_forgot_is_sent_again(redis_queue):
+    """Scripts run by SHA1; after a restart or SCRIPT FLUSH the server has none of them."""
+    _publish(REDIS_URL, redis_queue, REDIS_TRANSPORT)
+    server = redis.Redis.from_url(REDIS_URL)
+    server.script_flush()
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        message = _take(conn, redis_queue)
+        assert message.payload == {"n": 1}
+        server.script_flush()
+        message.ack()
+        assert server.zscore("unacked_index", message.delivery_tag) is None
 
 
 @pytest.mark.parametrize("foreign_visibility", [3600, 30])

@@ -118,7 +118,7 @@ def consumer_on_private_redis(tmp_path, private_redis, monkeypatch):
 def _take_one(consumer, received):
     def got() -> bool:
         if not consumer.connected:
-            consumer.connect(8, lambda: True, retries=0)     # as the supervisor would
+            consumer.connect(8, lambda: 8, retries=0)     # as the supervisor would
         consumer.tick()
         for fd in consumer.fds():
             consumer.on_readable(fd)
@@ -132,7 +132,7 @@ def test_dead_lettering_after_a_redis_restart_leaves_consumption_working(
     """A publish while Redis is down must not make kombu retry by reconnecting in place:
     that closed the consuming channel unseen, and the worker took nothing more, ever."""
     consumer, received, lost, basic = consumer_on_private_redis
-    consumer.connect(8, lambda: True)
+    consumer.connect(8, lambda: 8)
     queue = consumer.queues[0]
     basic.app.send_task("tests.apps.basic.add", (1, 2), queue=queue)
     held = _take_one(consumer, received)
@@ -158,9 +158,9 @@ def test_a_connect_that_fails_half_way_keeps_nothing(consumer_on_private_redis,
     server.execute_command("REPLICAOF", "127.0.0.1", "1")     # read-only, never synced
     try:
         with pytest.raises(redis.exceptions.ReadOnlyError):
-            consumer.connect(8, lambda: True, retries=0)
+            consumer.connect(8, lambda: 8, retries=0)
         assert not consumer.connected
     finally:
         server.execute_command("REPLICAOF", "NO", "ONE")
-    consumer.connect(8, lambda: True, retries=0)
+    consumer.connect(8, lambda: 8, retries=0)
     assert consumer.connected and consumer.consuming

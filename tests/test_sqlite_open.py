@@ -2,8 +2,6 @@
 their first task): none of them may fail with "database is locked"."""
 from __future__ import annotations
 
-import multiprocessing
-
 import pytest
 
 from workhorse.backends.sqlite import SQLiteBackend
@@ -22,8 +20,8 @@ def _open_and_write(kind: str, path: str, barrier, index: int, errors) -> None:
 
 
 @pytest.mark.parametrize("kind", ["results", "broker"])
-def test_simultaneous_first_opens_all_succeed(tmp_path, kind):
-    ctx = multiprocessing.get_context("fork")
+def test_simultaneous_first_opens_all_succeed(tmp_path, kind, fork_ctx):
+    ctx = fork_ctx
     errors = ctx.Queue()
     for attempt in range(5):        # the race is a matter of timing: give it several chances
         path = str(tmp_path / f"{kind}-{attempt}.sqlite3")

@@ -80,10 +80,10 @@ def _hold_and_die(url: str, ready) -> None:
         time.sleep(60)   # killed long before this ends
 
 
-def test_a_dead_consumers_lease_expires_and_the_message_comes_back(url):
+def test_a_dead_consumers_lease_expires_and_the_message_comes_back(url, fork_ctx):
     with conn(url) as c:
         c.SimpleQueue("q").put("work")
-    ctx = multiprocessing.get_context("fork")
+    ctx = fork_ctx
     ready = ctx.Queue()
     proc = ctx.Process(target=_hold_and_die, args=(url, ready))
     proc.start()
@@ -113,6 +113,61 @@ def test_a_late_ack_from_a_lost_lease_does_not_delete_the_new_lease(tmp_path):
     assert store.ack((old[0], old[1])) is False       # lost lease: nothing deleted
     assert store.ack((new[0], new[1])) is True
     assert store.browse("q") == []
+
+
+def test_acks_in_one_transaction_delete_only_leases_still_held(tmp_path, url):
+    store = Store(tmp_path / "b.sqlite3")
+    for n in range(3):
+        store.put("q", f'{{"x": {n}}}')
+    leases = [store.lease("q", visibility_timeout=60) for _ in range(3)]
+    assert all(leases)
+    held = [(lease[0], lease[1]) for lease in leases if lease]
+    lost = (held[1][0], "another holder's token")
+    assert store.ack_many([held[0], lost, held[2]]) == 2
+    assert [row[0] for row in store.browse("q")] == [held[1][0]]     # the lost one stays
+    with conn(url) as c:                                  # and through kombu's QoS
+        q = c.SimpleQueue("r")
+        for n in range(3):
+            q.put(n)
+        messages = [q.get(timeout=1) for _ in range(3)]
+        messages[0].channel.qos.ack_many([m.delivery_tag for m in messages])
+        assert Store(tmp_path / "broker.sqlite3").browse("r") == []
+
+
+def test_one_take_leases_up_to_its_limit_in_order_and_delivers_them_all(tmp_path, url):
+    """The worker's take: one transaction for a batch, by priority then age within a
+    queue, queues in turn, each message its own lease and count; none held back unseen."""
+    store = Store(tmp_path / "b.sqlite3")
+    for n, priority in enumerate([0, 5, 0, 5]):
+        store.put("a", f'{{"n": {n}}}', priority)
+    store.put("b", '{"n": 9}')
+    taken = store.lease_many(["a", "b"], 60, limit=3)
+    assert [(queue, payload) for queue, _, _, payload, _ in taken] == [
+        ("a", '{"n": 1}'), ("a", '{"n": 3}'), ("a", '{"n": 0}')]
+    assert len({token for _, _, token, _, _ in taken}) == 3
+    assert all(deliveries == 1 for *_, deliveries in taken)
+    rest = store.lease_many(["a", "b"], 60, limit=5)
+    assert [(queue, payload) for queue, _, _, payload, _ in rest] == [
+        ("a", '{"n": 2}'), ("b", '{"n": 9}')]
+    assert store.lease_many(["a", "b"], 60, limit=5) == []
+    assert store.ack_many([(ident, token) for _, ident, token, _, _ in taken + rest]) == 5
+
+    with conn(url) as c:
+        got: list = []
+        channel = c.channel()
+        for name in ("x", "y"):
+            Consumer(channel, [Queue(name)], on_message=got.append, no_ack=False).consume()
+        producer = Producer(c)
+        for name, n in (("x", 1), ("x", 2), ("y", 3), ("y", 4)):
+            producer.publish({"n": n}, routing_key=name, exchange="")
+        assert channel.take(3)
+        assert [m.payload["n"] for m in got] == [1, 2, 3]       # x emptied, then y
+        assert channel.take(3) and [m.payload["n"] for m in got] == [1, 2, 3, 4]
+        assert not channel.take(3)
+        for message in got:
+            assert message.delivery_info["delivery_count"] == 1
+            message.ack()
+        assert Store(tmp_path / "broker.sqlite3").browse("x") == []
 
 
 def test_renew_extends_a_lease_and_reports_the_lost_ones(tmp_path):
@@ -276,12 +331,12 @@ def _drain_into(url: str, out) -> None:
             m.ack()
 
 
-def test_two_consumer_processes_share_a_queue_without_duplicates_or_losses(url):
+def test_two_consumer_processes_share_a_queue_without_duplicates_or_losses(url, fork_ctx):
     with conn(url) as c:
         q = c.SimpleQueue("shared")
         for n in range(500):
             q.put(n)
-    ctx = multiprocessing.get_context("fork")
+    ctx = fork_ctx
     out = ctx.Queue()
     procs = [ctx.Process(target=_drain_into, args=(url, out)) for _ in range(2)]
     for p in procs:
@@ -290,3 +345,88 @@ def test_two_consumer_processes_share_a_queue_without_duplicates_or_losses(url):
     for p in procs:
         p.join(30)
     assert sorted(got) == list(range(500))
+
+
+# ---------------------------------------------------------------- wakeups
+def test_a_publish_wakes_each_consuming_worker_and_a_dead_ones_registration_goes(tmp_path):
+    """Tier 1. transport.wake: one byte per commit to every registered listener; a listener
+    that is gone (a worker killed) is found out by the refused send and unregistered."""
+    import select
+
+    from workhorse.transport.wake import Listener, Notifier, wake_dir
+    broker = tmp_path / "b.sqlite3"
+    Notifier(broker).notify()                      # nobody registered: nothing to do
+    first, second = Listener(broker), Listener(broker)
+    dead = Listener(broker)
+    dead.sock.close()                              # killed: its file stays behind
+    notifier = Notifier(broker)
+    notifier.notify()
+    notifier.notify()
+    for listener in (first, second):
+        assert select.select([listener], [], [], 5)[0]
+        assert listener.drain() == 2 and listener.drain() == 0
+    assert sorted(os.listdir(wake_dir(broker))) == sorted([first.name, second.name])
+    first.close()
+    assert os.listdir(wake_dir(broker)) == [second.name]
+    second.close()
+
+
+def test_a_worker_on_the_sqlite_broker_is_woken_by_a_publish_not_by_polling(url, tmp_path):
+    """Tier 3. The consumer's wakeup socket is what the broker thread watches: a message
+    published makes it readable, and reading it takes the message. Between wakeups it polls
+    only as a safety net."""
+    import select
+
+    from workhorse import App
+    from workhorse.daemon.consumer import SAFETY_POLL, BrokerConsumer
+    app = App("t", broker_url=url, result_backend="disabled")
+    received: list = []
+    consumer = BrokerConsumer(app, ["wq"], lambda q, m: received.append(m), lambda e: None)
+    consumer.connect(4, lambda: 4 - len(received))
+    try:
+        assert consumer.poll_interval == SAFETY_POLL
+        [fd] = consumer.fds()
+        assert not select.select([fd], [], [], 0)[0]
+        with conn(url) as c:
+            c.SimpleQueue("wq").put({"n": 1})
+        assert select.select([fd], [], [], 5)[0], "the publish did not wake the consumer"
+        consumer.on_readable(fd)
+        assert [m.payload for m in received] == [{"n": 1}]
+        assert not select.select([fd], [], [], 0)[0]
+        received[0].ack()
+    finally:
+        consumer.close()
+    assert not os.listdir(tmp_path / "broker.sqlite3.wake")     # unregistered on close
+
+
+def test_without_wakeups_the_sqlite_consumer_polls_every_50_ms_and_says_so(
+        url, monkeypatch, caplog):
+    from workhorse import App
+    from workhorse.daemon import consumer as consumer_module
+
+    def refuse(path):
+        raise PermissionError(13, "read-only directory")
+    monkeypatch.setattr(consumer_module, "Listener", refuse)
+    app = App("t", broker_url=url, result_backend="disabled")
+    consumer = consumer_module.BrokerConsumer(app, ["wq"], lambda q, m: None, lambda e: None)
+    consumer.connect(4, lambda: 4)
+    try:
+        assert consumer.poll_interval == consumer_module.POLL_INTERVAL
+        assert consumer.fds() == set()
+        assert "publishers cannot wake this worker" in caplog.text
+    finally:
+        consumer.close()
+
+
+def test_a_wakeup_that_fails_never_fails_the_publish(url, monkeypatch):
+    """The message is committed before the wakeup: a publish that raised then would be
+    sent again by a caller that retries."""
+    from workhorse.transport import wake
+
+    def broken(path):
+        raise RuntimeError("anything at all")
+    monkeypatch.setattr(wake.os, "listdir", broken)
+    with conn(url) as c:
+        q = c.SimpleQueue("nq")
+        q.put({"n": 1})
+        assert q.get(timeout=1).payload == {"n": 1}

@@ -555,3 +555,77 @@ def test_a_spawn_waits_while_another_thread_is_mid_call_then_forks():
     busy[0] = False
     clock.advance(loop, 0.05)
     assert len(os_.handles) == 2
+
+
+# ---------------------------------------------------------------- the link's batching
+def _link(window: int):
+    """A BrokerLink whose broker thread is never started: what it is handed is read off
+    its command queue."""
+    from workhorse import App
+    from workhorse.daemon.brokerthread import Ack
+    from workhorse.daemon.link import BrokerLink
+    from workhorse.daemon.loop import Loop
+    clock = FakeClock()
+    loop = Loop(clock)
+    app = App("t", broker_url="memory://", result_backend="disabled")
+    link = BrokerLink(app, ["q"], loop, lambda *a: None, lambda: None, lambda e: None,
+                      lambda e: None, lambda: window, None, True)
+
+    def handed() -> list[str]:
+        items = link.thread.commands.take()
+        return ["ack" if isinstance(i, Ack) and i.then is None else
+                "ack_then" if isinstance(i, Ack) else "command" for i in items]
+    return link, loop, clock, handed
+
+
+def test_late_acks_travel_together_and_never_wait_past_the_delay():
+    from workhorse.daemon.link import ACK_DELAY
+    link, loop, clock, handed = _link(window=8)
+    message = SimpleNamespace(headers={"task": "t", "id": "1"})
+    link.ack(message)
+    link.ack(message)
+    link.set_room(0, starved=False)
+    assert handed() == []                          # two of a batch of four: they wait
+    clock.advance(loop, ACK_DELAY)
+    assert handed() == ["ack", "ack"]              # but never longer than ACK_DELAY
+    for _ in range(4):
+        link.ack(message)
+    link.set_room(0, starved=False)
+    assert handed() == ["ack"] * 4                 # a batch's worth goes at the turn's end
+    link.ack(message)
+    link.submit(lambda consumer: None, "something else")
+    assert handed() == ["ack", "command"]          # in order with what follows
+    link.ack_then(message, lambda error: None)
+    link.set_room(0, starved=False)
+    assert handed() == ["ack_then"]                # an ack at start goes at the turn's end
+    clock.advance(loop, ACK_DELAY)
+    assert handed() == []
+    link.push = True                               # RabbitMQ: acks are what free credit
+    link.ack(message)
+    link.set_room(0, starved=False)
+    assert handed() == ["ack"]                     # so they go at the end of the turn
+
+
+def test_the_link_fetches_in_batches_unless_children_are_starved():
+    link, loop, clock, handed = _link(window=8)
+
+    def took(count: int) -> None:                  # the broker thread took, the loop got
+        for _ in range(count):
+            link.thread.room.took()
+        link.received += count
+    link.set_room(8, starved=True)
+    assert handed() == ["command"]                 # room and nothing buffered: fetch now
+    took(8)
+    link.set_room(1, starved=False)
+    link.set_room(2, starved=False)
+    assert handed() == []                          # work still buffered: wait for a batch
+    link.set_room(2, starved=True)
+    assert handed() == ["command"]                 # the buffer ran dry: fetch what fits
+    took(2)
+    for free in (1, 2, 3):
+        link.set_room(free, starved=False)
+    assert handed() == []
+    link.set_room(4, starved=False)
+    assert handed() == ["command"]                 # half the window free: worth a trip
+    link.set_room(4, starved=True)
+    assert handed() == []                          # no more room than that fetch had

@@ -98,8 +98,8 @@ def test_redis_leaves_an_unreadable_entry_alone_once_it_is_no_longer_next(redis_
     worker may have dead-lettered it meanwhile, and the next may be a message)."""
     server = redis.Redis.from_url(REDIS_URL)
     server.lpush(redis_queue, b"next")
-    assert server.eval(_BURY_NEXT, 2, redis_queue, redis_queue + ".dead", b"other",
-                       b"envelope") == 0
+    assert _BURY_NEXT(server, (redis_queue, redis_queue + ".dead"),
+                      (b"other", b"envelope")) == 0
     assert server.lrange(redis_queue, 0, -1) == [b"next"]
     assert server.llen(redis_queue + ".dead") == 0
 

@@ -122,11 +122,14 @@ class App:
     def backend(self) -> Backend:
         self._check_fork()
         if self._backend is None:
-            s = self.settings
-            self._backend = backend_from_url(
-                s.result_backend, expires=s.result_expires, extended=s.result_extended,
-                retry=result_retry_policy(s))
+            self._backend = self.new_backend()
         return self._backend
+
+    def new_backend(self) -> Backend:
+        """A result store object of its own, as configured (for another thread)."""
+        s = self.settings
+        return backend_from_url(s.result_backend, expires=s.result_expires,
+                                extended=s.result_extended, retry=result_retry_policy(s))
 
     # -- broker
     def connection(self, heartbeat: float = 0) -> Connection:

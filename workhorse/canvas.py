@@ -71,6 +71,10 @@ class Signature(dict[str, Any]):
     def clone(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
               **options: Any) -> Signature:
         """A copy with ``args`` prepended (unless immutable) and kwargs/options merged."""
+        if self["subtask_type"] in ("chain", "group", "chord") and not args and not kwargs:
+            copied = copy_signature(self, self._app)    # keeps its kind: apply_async differs
+            copied.options.update(options)
+            return copied
         merged_args, merged_kwargs = self._merge(args, kwargs)
         return Signature(self.name, merged_args, merged_kwargs, {**self.options, **options},
                          immutable=self.immutable, subtask_type=self["subtask_type"],
@@ -88,12 +92,13 @@ class Signature(dict[str, Any]):
 
     def link(self, callback: Signature) -> Signature:
         """Apply ``callback`` to this task's result when it succeeds."""
-        self.options.setdefault("link", []).append(callback)
+        self.options["link"] = [*as_list(self.options.get("link")), callback]
         return callback
 
     def link_error(self, errback: Signature) -> Signature:
         """Call ``errback`` when this task fails."""
-        self.options.setdefault("link_error", []).append(errback)
+        # One signature or a list (Celery's ``.set(link_error=sig)``) becomes a list.
+        self.options["link_error"] = [*as_list(self.options.get("link_error")), errback]
         return errback
 
     def on_error(self, errback: Signature) -> Signature:
@@ -121,6 +126,15 @@ class Signature(dict[str, Any]):
         merged = {**self.options, **options}
         if merged.get("queue") is None and merged.get("routing_key"):
             merged["queue"] = merged["routing_key"]   # Celery routing by key = queue name
+        stamped = merged.get("stamped_headers")
+        if isinstance(stamped, (list, tuple)) and stamped:
+            # Celery's stamping keeps each stamp as an option of its own, named by
+            # stamped_headers; its messages carry them as the stamps header (which
+            # revoke_by_stamped_headers matches).
+            merged["headers"] = {**(merged.get("headers") or {}),
+                                 "stamped_headers": list(stamped),
+                                 "stamps": {name: merged.get(name) for name in stamped
+                                            if isinstance(name, str)}}
         # Signatures made by Celery carry options workhorse has no use for (exchange, ...).
         return self.app.send_task(self.name, merged_args, merged_kwargs,
                                   **{k: v for k, v in merged.items()
@@ -169,11 +183,38 @@ class chain(Signature):  # Celery's name
     def __or__(self, other: Signature) -> chain:  # type: ignore[override]
         return chain(*self.tasks, other, app=self._app)
 
+    def freeze_result(self, parent: AsyncResult | GroupResult | None = None
+                      ) -> AsyncResult | GroupResult:
+        """Fix every step's id in place (groups upgraded to chords as when sent); the
+        chain's result is its last step's (a GroupResult when that is a group)."""
+        steps = _upgrade_groups([signature(t, self._app) for t in self.tasks], self._app)
+        if self.options.get("task_id"):
+            steps[-1].options["task_id"] = self.options["task_id"]
+        result = parent
+        for step in steps:
+            result = step.freeze_result(result)
+        assert result is not None
+        self.kwargs["tasks"] = steps
+        self.options["task_id"] = result.id
+        return result
+
     def apply_async(self, args: Sequence[Any] = (),  # type: ignore[override]
                     kwargs: Mapping[str, Any] | None = None,
                     **options: Any) -> AsyncResult | GroupResult:
-        errbacks = [*self.options.get("link_error", ()), *_as_list(options.pop("link_error", None))]
+        options = {**self.options, **options}
+        errbacks = as_list(options.pop("link_error", None))
         steps = _upgrade_groups([copy_signature(t, self._app) for t in self.tasks], self._app)
+        # What follows the chain when it is itself a step (a chord body, ...): its steps.
+        steps += [signature(s, self._app) for s in reversed(as_list(options.pop("chain", None)))]
+        # As in Celery: the chain's id, its place in a group or chord and its callbacks are
+        # its last step's; the rest of the options go to the first step's message.
+        last = steps[-1].options
+        for name in ("task_id", "group_id", "group_index", "chord"):
+            if options.get(name) is not None:
+                last[name] = options.pop(name)
+            options.pop(name, None)
+        for callback in as_list(options.pop("link", None)):
+            steps[-1].link(signature(callback, self._app))
         result: AsyncResult | GroupResult | None = None
         for step in steps:
             for errback in errbacks:
@@ -217,7 +258,7 @@ class group(Signature):  # Celery's name
         """Fix the group's id and each member's task id and place, before sending."""
         group_id = group_id or self.options.get("task_id") or new_task_id()
         members = []
-        for index, task in enumerate(self.tasks):
+        for index, task in enumerate(_unrolled(self.tasks, self._app)):
             member = task.clone(group_id=group_id, group_index=index)
             member.options.setdefault("task_id", new_task_id())
             members.append(member)
@@ -234,8 +275,20 @@ class group(Signature):  # Celery's name
     # A group's result is a GroupResult, as in Celery.
     def apply_async(self, args: Sequence[Any] = (),  # type: ignore[override]
                     kwargs: Mapping[str, Any] | None = None, **options: Any) -> GroupResult:
-        group_id, members = self.freeze(options.pop("group_id", None))
-        results = [member.apply_async(args, kwargs, **options) for member in members]
+        # As Celery: the group's own options (its errbacks among them, which replace
+        # those of its tasks) go to every member; its id and place are its own.
+        options = {**{k: v for k, v in self.options.items() if k not in _OWN_PLACE},
+                   **options}
+        enclosing = _enclosing_chord(self, options)
+        if enclosing:
+            # A part of an enclosing chord's header (a chain's last step there): each
+            # member counts toward that chord, in the group's place.
+            group_id, members = self.freeze()
+            results = [member.apply_async(args, kwargs, **enclosing, **options)
+                       for member in members]
+        else:
+            group_id, members = self.freeze(options.pop("group_id", None))
+            results = [member.apply_async(args, kwargs, **options) for member in members]
         return GroupResult(group_id, results, app=self.app)
 
     def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
@@ -275,27 +328,35 @@ class chord(Signature):  # Celery's name
         if body is None:
             raise ValueError("a chord needs a body: chord(header, body) or chord(header)(body)")
         body = body.clone()
-        body.options.setdefault("task_id", new_task_id())
+        body_result = body.freeze_result()    # a group body: its members' ids too
         # As in Celery: what comes after the chord (the rest of a chain it is a step of, its
         # callbacks) follows its body, not each header task.
-        rest = options.pop("chain", None)
+        rest = options.pop("chain", None) or self.options.get("chain")
         if rest:
             body.options["chain"] = rest
-        for callback in _as_list(options.pop("link", None)):
+        for callback in [*as_list(self.options.get("link")),
+                         *as_list(options.pop("link", None))]:
             body.link(signature(callback, self._app))
-        for errback in [*self.options.get("link_error", ()),
-                        *_as_list(options.pop("link_error", None))]:
+        for errback in [*as_list(self.options.get("link_error")),
+                        *as_list(options.pop("link_error", None))]:
             body.link_error(errback)
         if options.get("root_id"):
             body.options.setdefault("root_id", options["root_id"])
+        # A chord inside an enclosing chord's header: its body counts toward that chord.
+        body.options.update(_enclosing_chord(self, options))
         group_id, members = header.freeze()
         if not members:
             return body.apply_async(([],))
-        self.app.backend.set_chord_size(group_id, len(members))
+        # A member whose result is a group's (a chain ending in a group) makes the body's
+        # argument nested: the header's shape is saved for the body, as Celery saves it.
+        shapes = [m.freeze_result() for m in members]
+        if any(isinstance(shape, GroupResult) for shape in shapes):
+            GroupResult(group_id, shapes, app=self.app).save()
+        self.app.backend.set_chord_size(group_id, sum(_parts(m) for m in members))
         results = [m.apply_async(args, kwargs, chord=body, **options) for m in members]
         header_result = GroupResult(group_id, results, app=self.app)
-        return AsyncResult(body.options["task_id"], app=self.app,
-                           parent=header_result)  # type: ignore[arg-type]
+        body_result.parent = header_result
+        return body_result
 
 
 def signature(value: Mapping[str, Any], app: App | None = None) -> Signature:
@@ -340,16 +401,69 @@ def _plain(value: Any) -> Any:
 def _upgrade_groups(steps: list[Signature], app: App | None) -> list[Signature]:
     """``… | group | step …`` becomes ``… | chord(group, step) …``, as Celery upgrades
     it: the step after a group gets the group's results, once they are all in."""
-    upgraded: list[Signature] = []
-    for step in steps:
-        if upgraded and isinstance(upgraded[-1], group):
-            upgraded[-1] = chord(upgraded[-1], step, app=app)
+    upgraded: list[Signature] = []       # last first: a group's body may be a chord
+    for step in reversed(steps):
+        if upgraded and isinstance(step, group):
+            upgraded[-1] = chord(step, upgraded[-1], app=app)
         else:
             upgraded.append(step)
-    return upgraded
+    return upgraded[::-1]
 
 
-def _as_list(value: Any) -> list[Any]:
+_OWN_PLACE = frozenset({"task_id", "group_id", "group_index", "chord", "chain"})
+
+
+def result_node(sig: Signature) -> Signature:
+    """The signature whose result stands for ``sig``'s: a chord's body, a chain's last
+    step (descending), else ``sig``."""
+    while True:
+        if isinstance(sig, chord) and sig.kwargs["body"] is not None:
+            sig = signature(sig.kwargs["body"], sig._app)
+        elif isinstance(sig, chain):
+            sig = signature(sig.tasks[-1], sig._app)
+        else:
+            return sig
+
+
+def _unrolled(tasks: Iterable[Any], app: App | None) -> list[Signature]:
+    """A group's members with nested groups' members in their place, as Celery unrolls
+    them (a group inside a group is not a result of its own)."""
+    flat: list[Signature] = []
+    for task in tasks:
+        member = signature(task, app)
+        if isinstance(member, group):
+            flat.extend(_unrolled(member.tasks, app))
+        else:
+            flat.append(member)
+    return flat
+
+
+def _parts(sig: Signature) -> int:
+    """How many results a chord header member returns to its chord (Celery's _descend):
+    a group each of its members', a chain its last step's, a chord its body's, a task 1."""
+    if isinstance(sig, group):
+        return sum(_parts(t) for t in _unrolled(sig.tasks, sig._app))
+    if isinstance(sig, chain):
+        return next((n for n in (_parts(t) for t in reversed(sig.tasks)) if n), 0)
+    if isinstance(sig, chord):
+        body = sig.kwargs["body"]
+        return _parts(signature(body, sig._app)) if body is not None else 0
+    return 1
+
+
+def _enclosing_chord(sig: Signature, options: dict[str, Any]) -> dict[str, Any]:
+    """The enclosing chord's body, id and place given to a group or chord that is a part
+    of its header (popped from ``options``, or set on the signature); empty if none."""
+    found = {name: options.pop(name, None) for name in ("chord", "group_id", "group_index")}
+    if found["chord"] is None and sig.options.get("chord") is not None:
+        found = {name: sig.options.get(name) for name in found}
+    if found["chord"] is None:
+        return {}
+    return {name: value for name, value in found.items() if value is not None}
+
+
+def as_list(value: Any) -> list[Any]:
+    """An option that holds one signature or a list of them, as a list."""
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -15,6 +15,8 @@ Celery is imported only by the user's module: nothing here imports it at module 
 """
 from __future__ import annotations
 
+import inspect
+
 from collections.abc import Callable
 from typing import Any
 
@@ -88,6 +90,10 @@ def _runner(task: Any) -> Callable[..., Any]:
             task.pop_request()
     run.__name__ = task.name.rsplit(".", 1)[-1]
     run.__qualname__ = run.__name__
+    try:   # what the task takes, for whoever asks (an errback's arity, as Celery's)
+        run.__signature__ = inspect.signature(task.run)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        pass
     return run
 
 

@@ -16,6 +16,8 @@ class Outcome(str, enum.Enum):
     MALFORMED = "malformed"          # headers or body unreadable: no task to run
     UNKNOWN_TASK = "unknown_task"    # no such task registered
     EXPIRED = "expired"              # `expires` passed before it started
+    REVOKED = "revoked"              # revoked (by id or stamped header) before it started
+    TERMINATED = "terminated"        # revoked with terminate: its child was killed
     TOO_MANY_DELIVERIES = "too_many_deliveries"
     TIME_LIMIT = "time_limit"        # hard limit: the child was killed
     CHILD_LOST = "child_lost"        # the child died mid-task (signal, OOM, os._exit)
@@ -80,8 +82,12 @@ def decide(outcome: Outcome, policy: Policy, *, started: bool, deliveries: int =
         return Decision(Action.DEAD_LETTER, Store.MALFORMED)
     if outcome is Outcome.UNKNOWN_TASK:
         return Decision(Action.DEAD_LETTER, Store.NOT_REGISTERED)
-    if outcome is Outcome.EXPIRED:
+    if outcome in (Outcome.EXPIRED, Outcome.REVOKED):
         return Decision(Action.ACK, Store.REVOKED)
+    if outcome is Outcome.TERMINATED:
+        # Never run again: an operator stopped it on purpose.
+        return Decision(Action.NONE if started and not policy.acks_late else Action.ACK,
+                        Store.REVOKED)
     if outcome is Outcome.TOO_MANY_DELIVERIES:
         return Decision(Action.DEAD_LETTER, Store.TOO_MANY)
     if not policy.acks_late:

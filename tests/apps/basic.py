@@ -331,6 +331,13 @@ def errback_old(task_id):
 
 
 @app.task
+def errback_label(label, *failed_task_id):
+    """An immutable errback (``errback_label.si("x")``): writes its label."""
+    with open(os.environ["WH_TEST_PIDFILE"] + ".errback", "a") as f:
+        f.write(f"label {label}\n")
+
+
+@app.task
 def errback_crashing(request, exc, traceback):
     raise RuntimeError("the errback itself fails")
 

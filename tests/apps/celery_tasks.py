@@ -72,3 +72,19 @@ def replaced(self):
 def ignored():
     from celery.exceptions import Ignore
     raise Ignore()
+
+
+def _note(task_id, label):
+    import redis
+    redis.Redis.from_url(os.environ["WH_CELERY_BACKEND"]).rpush(f"errback:{task_id}", label)
+
+
+@app.task(name="celery_tasks.errback_old_style")
+def errback_old_style(task_id, label):
+    """Takes the failed task's id (one argument left once ``label`` is stored)."""
+    _note(task_id, label)
+
+
+@app.task(name="celery_tasks.errback_new_style")
+def errback_new_style(request, exc, traceback, label):
+    _note(request.id, f"{label}: {type(exc).__name__}")

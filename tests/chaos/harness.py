@@ -8,8 +8,11 @@ Two workers (two children each) share one queue; a producer sends ``chaos_work``
 task logs its start and its end with its pid and the time. Afterwards:
 
 - lost: a task with no stored SUCCESS (it must be none);
-- twice done: a task that ran to its end more than once. Only a broker restart may cause
-  it, on RabbitMQ, which hands a lost connection's running tasks to another worker;
+- twice done: a task that ran to its end more than once, although every end but the last
+  was in a process nobody killed within a second after it. (A child killed between its
+  task's end and storing its result runs it again, rightly: "rerun after a kill".) Only a
+  broker restart may cause it, on RabbitMQ, which hands a lost connection's running tasks
+  to another worker;
 - unexplained: a start that did not end, in a process nobody killed (must be none);
 - redelivery delay: after each supervisor kill, how long until the tasks its children
   were running started again elsewhere (bounded by visibility_timeout + a few seconds).
@@ -50,6 +53,7 @@ class Report:
     ends: int = 0
     lost: list[str] = field(default_factory=list)
     twice_done: list[str] = field(default_factory=list)
+    rerun_after_kill: list[str] = field(default_factory=list)
     unexplained: list[str] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)
     redelivery_delays: list[float] = field(default_factory=list)
@@ -61,7 +65,8 @@ class Report:
             kinds[kind] += 1
         worst = max(self.redelivery_delays, default=0.0)
         return (f"{self.broker:7} sent {self.sent:5}  starts {self.starts:5}  ends {self.ends:5}  "
-                f"lost {len(self.lost)}  twice done {len(self.twice_done)}  unexplained "
+                f"lost {len(self.lost)}  twice done {len(self.twice_done)} (rerun after a kill "
+                f"{len(self.rerun_after_kill)})  unexplained "
                 f"{len(self.unexplained)}  | child kills {kinds[CHILD]}, supervisor kills "
                 f"{kinds[SUPERVISOR]}, broker restarts {kinds[BROKER]} | max redelivery "
                 f"after a supervisor kill {worst:.1f} s | {self.seconds:.0f} s")
@@ -92,6 +97,19 @@ class Chaos:
         self.killed: dict[int, float] = {}          # child pid -> when it was killed
         self.supervisor_kills: list[tuple[float, set[int]]] = []
         self.report = Report(kind)
+
+    def trail(self, task_ids: list[str], tail: int = 15) -> str:
+        """For a failed run: every worker log line naming these tasks, and each log's end
+        (pytest keeps few temporary directories; the CI log keeps this)."""
+        out = []
+        for worker in self.workers:
+            lines = worker.log().splitlines()
+            out.append(f"--- worker {worker.pid} ({worker.log_path.name}), "
+                       f"exit {worker.proc.poll()}")
+            out.extend(line for line in lines if any(t in line for t in task_ids))
+            out.append(f"  ... last {tail} lines:")
+            out.extend(lines[-tail:])
+        return "\n".join(out)
 
     # -- processes
     def start_worker(self) -> Worker:
@@ -226,7 +244,11 @@ class Chaos:
             if app.AsyncResult(task_id).state != "SUCCESS":  # type: ignore[attr-defined]
                 report.lost.append(task_id)
             if len(ends[task_id]) > 1:
-                report.twice_done.append(task_id)
+                earlier = sorted(ends[task_id], key=lambda end: end[1])[:-1]
+                if all(0 <= self.killed.get(pid, -1e9) - at < 1.0 for pid, at in earlier):
+                    report.rerun_after_kill.append(task_id)
+                else:
+                    report.twice_done.append(task_id)
             ended_in = {pid for pid, _ in ends[task_id]}
             for pid, _ in starts[task_id]:
                 if pid not in ended_in and pid not in self.killed:

@@ -17,9 +17,12 @@ VT = 4.0
 def test_chaos_loses_nothing_and_repeats_only_what_a_kill_interrupted(kind, tmp_path):
     make_broker(kind, tmp_path)          # skips (locally) or fails (CI) without the broker
     schedule = default_schedule(kind)
-    report = Chaos(kind, tmp_path, seconds=30, rate=20, visibility_timeout=VT,
-                   seed=7).run(schedule)
+    chaos = Chaos(kind, tmp_path, seconds=30, rate=20, visibility_timeout=VT, seed=7)
+    report = chaos.run(schedule)
     print(report.summary())
+    odd = report.lost + report.unexplained + report.twice_done + report.rerun_after_kill
+    if odd:
+        print(chaos.trail(odd[:5]))
     assert report.sent > 300
     assert report.lost == []
     assert report.unexplained == []

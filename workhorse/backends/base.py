@@ -279,6 +279,25 @@ class Backend(ABC):
         return (f"{type(self).__name__} does not support claims, which idempotent tasks "
                 "need: use a result_backend that does (sqlite:// or redis://)")
 
+    # -- revoked tasks, shared by every worker on this store (remote control's revoke):
+    # entries (``workhorse.control.revoked``) with their expiry in epoch seconds.
+    def save_revoked(self, entries: Mapping[str, float]) -> None:
+        """Keep ``entries`` until they expire (an entry kept already gets the later expiry);
+        at most ``REVOKES_MAX`` are kept, the soonest to expire dropped first."""
+        if entries:
+            self.retrying(f"keeping {len(entries)} revoked entries",
+                          lambda: self._save_revoked(entries))
+
+    def load_revoked(self) -> dict[str, float]:
+        """Every entry kept and not yet expired."""
+        return self.retrying("reading revoked entries", self._load_revoked)
+
+    def _save_revoked(self, entries: Mapping[str, float]) -> None:  # noqa: B027 - a default
+        """A store that cannot keep them: revokes reach only the workers online."""
+
+    def _load_revoked(self) -> dict[str, float]:
+        return {}
+
     @staticmethod
     def encode_part(state: str, result: Any) -> Any:
         if state != SUCCESS and isinstance(result, BaseException):

@@ -15,6 +15,7 @@ from typing import Any
 
 import redis
 
+from ..control.revoked import REVOKES_MAX
 from ..exceptions import TimeoutError
 from ..states import READY_STATES
 from .base import CLAIM_DONE, Backend, ChordCompletion, ChordPart, Claim
@@ -24,6 +25,8 @@ TASK_PREFIX = "celery-task-meta-"
 GROUP_PREFIX = "celery-taskset-meta-"
 #: ``workhorse-claim-<key>`` holds the owner while claimed, ``done`` once finished.
 CLAIM_PREFIX = "workhorse-claim-"
+#: The revoked entries every worker reads: a sorted set, scored by expiry (epoch seconds).
+REVOKED_KEY = "workhorse-revoked"
 #: How long the worker that completes a chord holds its claim while it dispatches the body.
 CHORD_CLAIM_SECONDS = 30
 #: How long a finished chord is remembered, so a late duplicate part cannot restart it.
@@ -102,6 +105,20 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
     return redis.call('DEL', KEYS[1])
 end
 return 0
+"""
+
+
+# KEYS[1] the revoked set; ARGV: now, limit, then entry, expiry pairs. An entry kept
+# already keeps the later expiry; expired ones go, and the soonest to expire past the limit.
+_SAVE_REVOKED = """
+for i = 3, #ARGV, 2 do
+    local old = redis.call('ZSCORE', KEYS[1], ARGV[i])
+    if not old or tonumber(old) < tonumber(ARGV[i + 1]) then
+        redis.call('ZADD', KEYS[1], ARGV[i + 1], ARGV[i])
+    end
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -tonumber(ARGV[2]) - 1)
 """
 
 
@@ -256,6 +273,16 @@ class RedisBackend(Backend):
         lost = self.client.eval(_RENEW, len(keys), *(CLAIM_PREFIX + key for key in keys),
                                 _milliseconds(ttl), *(claims[key] for key in keys))
         return {keys[position - 1] for position in lost}
+
+    # -- revoked
+    def _save_revoked(self, entries: Mapping[str, float]) -> None:
+        pairs = [item for entry, until in entries.items() for item in (entry, repr(until))]
+        self.client.eval(_SAVE_REVOKED, 1, REVOKED_KEY, repr(time.time()), REVOKES_MAX, *pairs)
+
+    def _load_revoked(self) -> dict[str, float]:
+        found: list[tuple[bytes, float]] = self.client.zrangebyscore(  # type: ignore[assignment]
+            REVOKED_KEY, f"({time.time()!r}", "+inf", withscores=True)
+        return {entry.decode(): float(until) for entry, until in found}
 
     def _release_claim(self, key: str, owner: str) -> None:
         self.client.eval(_RELEASE, 1, CLAIM_PREFIX + key, owner)

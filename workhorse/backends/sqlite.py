@@ -21,13 +21,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .. import sqlitedb
+from ..control.revoked import REVOKES_MAX
 from ..forksafe import abandon
 from .base import Backend, ChordCompletion, ChordPart, Claim
 from .encoding import dumps, loads
 
 # Files made by an older version get the tables they lack when opened (sqlitedb.connect runs
-# the script, all IF NOT EXISTS, while user_version is below this): 3 added claims.
-SCHEMA_VERSION = 3
+# the script, all IF NOT EXISTS, while user_version is below this): 3 added claims, 4
+# revoked.
+SCHEMA_VERSION = 4
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS task_results (
     task_id    TEXT PRIMARY KEY,
@@ -64,6 +66,10 @@ CREATE TABLE IF NOT EXISTS claims (
     until      REAL,              -- epoch seconds the claim lapses unless renewed
     done       INTEGER NOT NULL DEFAULT 0,
     expires_at REAL               -- when a done key is forgotten; NULL keeps it
+);
+CREATE TABLE IF NOT EXISTS revoked (
+    entry      TEXT PRIMARY KEY,  -- id:<task id> or stamp:<json [header, value]>
+    expires_at REAL NOT NULL
 );
 """
 #: How long a claim on a completed chord holds before another caller may take over (the
@@ -269,6 +275,21 @@ class SQLiteBackend(Backend):
         self.conn.execute("INSERT OR REPLACE INTO claims (key, owner, until, done, expires_at) "
                           "VALUES (?, NULL, NULL, 1, ?)", (key, self._expiry()))
 
+    # -- revoked
+    def _save_revoked(self, entries: Mapping[str, float]) -> None:
+        with self._immediate() as conn:
+            conn.executemany(
+                "INSERT INTO revoked (entry, expires_at) VALUES (?, ?) ON CONFLICT (entry) "
+                "DO UPDATE SET expires_at = max(expires_at, excluded.expires_at)",
+                list(entries.items()))
+            conn.execute("DELETE FROM revoked WHERE expires_at <= ?", (time.time(),))
+            conn.execute("DELETE FROM revoked WHERE entry NOT IN (SELECT entry FROM revoked "
+                         "ORDER BY expires_at DESC LIMIT ?)", (REVOKES_MAX,))
+
+    def _load_revoked(self) -> dict[str, float]:
+        return dict(self.conn.execute("SELECT entry, expires_at FROM revoked WHERE "
+                                      "expires_at > ?", (time.time(),)).fetchall())
+
     # -- housekeeping
     def purge_expired(self) -> int:
         """Delete expired results, groups, abandoned chords and claims (lapsed, or done and
@@ -287,4 +308,5 @@ class SQLiteBackend(Backend):
         conn.execute("DELETE FROM chords WHERE expires_at <= ?", (now,))
         conn.execute("DELETE FROM claims WHERE (done AND expires_at <= ?) OR (NOT done AND "
                      "until <= ?)", (now, now))
+        conn.execute("DELETE FROM revoked WHERE expires_at <= ?", (now,))
         return removed

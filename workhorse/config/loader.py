@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .settings import BY_NAME, SECTIONS, SETTINGS, Setting
+from ..urls import redact
 from .types import Invalid
 
 CONFIG_ENV = "WORKHORSE_CONFIG"
@@ -293,7 +294,8 @@ def _toml_string(text: str) -> str:
 
 
 def render_settings(settings: Settings) -> str:
-    """The effective settings as TOML (loadable again), each line saying where it came from.
+    """The effective settings as TOML (loadable again, but for passwords in URLs, which are
+    shown as ``***``), each line saying where it came from.
 
     ``max_memory_per_child`` is written in KiB, the unit a bare integer means."""
     lines: list[str] = []
@@ -305,7 +307,7 @@ def render_settings(settings: Settings) -> str:
             if setting.name == "max_memory_per_child" and value is not None:
                 shown = f'"{value}B"'
             else:
-                shown = _toml_value(setting, value)
+                shown = _toml_value(setting, redact(value) if isinstance(value, str) else value)
             lines.append(f"{setting.name} = {shown}  # {source}")
         lines.append("")
     return "\n".join(lines)

@@ -33,7 +33,8 @@ In INI, environment variables and flags, lists are comma-separated and booleans 
 with the string `"none"`. An unknown section or key, a value of the wrong type or out of
 range, or `soft_time_limit >= time_limit` stops the command with exit status 2 and a message
 naming the file, section, key and value. `workhorse config` prints the effective settings
-and where each came from; `workhorse config --check` only validates.
+and where each came from (passwords in URLs shown as `***`); `workhorse config --check`
+only validates.
 
 ```toml
 # /etc/workhorse/workhorse.toml

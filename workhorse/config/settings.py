@@ -115,9 +115,39 @@ SETTINGS: tuple[Setting, ...] = (
             "How long a warm shutdown waits for running tasks before killing them."),
     Setting("loglevel", "worker", t.choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
             "INFO", "Log level of the supervisor and its children.", cli=("-l",)),
+    Setting("log_format", "worker", t.choice("text", "json"), "text",
+            "How log records are written: text lines, or one JSON object per line. Under "
+            "systemd each line also starts with its syslog priority and keeps a traceback "
+            "in one record.", reload=False),
+    Setting("logfile", "worker", t.path("a file path").or_none(), None,
+            "Write the log to this file instead of stderr (none). Reopened after logrotate "
+            "moves it: on SIGUSR2, and by every process within a second anyway.",
+            cli=("-f",), reload=False),
+    Setting("pidfile", "worker", t.path("a file path").or_none(), None,
+            "Write the supervisor's pid to this file while it runs (none: no file). A "
+            "worker refuses to start while the pid in it is another live workhorse.",
+            reload=False),
     Setting("hostname", "worker", t.text(), lambda _: "workhorse@" + socket.gethostname(),
             "This worker's name in logs and in results.", default_doc="workhorse@<host name>",
             cli=("-n",), reload=False),
+    Setting("remote_control", "worker", t.boolean(), True,
+            "Answer Celery's broadcast mailbox (celery inspect, workhorse inspect, Flower) on "
+            "a broker connection of its own.", reload=False),
+    Setting("send_events", "worker", t.boolean(), False,
+            "Send task events (task-received, -started, -succeeded, -failed, -retried, "
+            "-rejected, -revoked) to Celery's event stream, for celery events and Flower, as "
+            "celery worker -E. Remote control's enable_events/disable_events switch them "
+            "until the worker stops.", cli=("-E", "--send-events"), reload=False),
+    Setting("metrics_port", "worker", t.integer(0, 65535), 0,
+            "Serve Prometheus metrics on this TCP port (0: off). See the README's "
+            "'Metrics' for what is counted.", reload=False),
+    Setting("metrics_bind", "worker", t.text(None, "an address to listen on"), "127.0.0.1",
+            "The address the metrics endpoint listens on (0.0.0.0 or :: for every "
+            "interface).", reload=False),
+    Setting("heartbeat_events", "worker", t.boolean(), True,
+            "Send worker-online, worker-heartbeat (every 2 s) and worker-offline events, as "
+            "Celery's worker does; false is celery worker --without-heartbeat.",
+            reload=False),
     Setting("state_dir", "worker", t.path(), _default_state_dir,
             "Where the embedded broker and result store live by default.",
             default_doc="$STATE_DIRECTORY (set by systemd), else $XDG_STATE_HOME/workhorse, "

@@ -181,11 +181,13 @@ def memory_size() -> ValueType:
 
 
 def choice(*options: str) -> ValueType:
+    """One of ``options``, in any case; given back as the option is written."""
     accepted = "one of " + ", ".join(options)
+    by_key = {option.casefold(): option for option in options}
 
     def parse(raw: Any) -> str:
-        if isinstance(raw, str) and raw.strip().upper() in options:
-            return raw.strip().upper()
+        if isinstance(raw, str) and raw.strip().casefold() in by_key:
+            return by_key[raw.strip().casefold()]
         raise Invalid(f"expected {accepted}")
     return ValueType(accepted, parse)
 
@@ -222,8 +224,8 @@ def string_list() -> ValueType:
     return ValueType(accepted, parse, toml_name="array of strings")
 
 
-def path() -> ValueType:
-    accepted = "a directory path (relative paths are taken from the current directory)"
+def path(what: str = "a directory path") -> ValueType:
+    accepted = f"{what} (relative paths are taken from the current directory)"
 
     def parse(raw: Any) -> Path:
         if isinstance(raw, Path):

@@ -24,12 +24,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kombu.message import Message
 
 from ..transport.rabbitmq import BrokerBlocked
-from .consumer import POLL_INTERVAL, BrokerConsumer
+from .consumer import BrokerConsumer
 from .loop import Loop
 from .reconnect import backoff
 
@@ -52,9 +52,25 @@ class Wakeup:
     def __init__(self) -> None:
         self.queue: queue.SimpleQueue[Callable[..., None]] = queue.SimpleQueue()
         self.read_fd, self.write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._signalled = False
 
     def put(self, item: Callable[..., None]) -> None:
         self.queue.put(item)
+        self._wake()
+
+    def put_many(self, items: list[Any]) -> None:
+        for item in items:
+            self.queue.put(item)
+        self._wake()
+
+    def _wake(self) -> None:
+        # One byte per batch of puts the reader has not taken yet, not one per put. Safe
+        # against a lost wakeup: the reader empties the pipe, then clears the flag, then
+        # empties the queue; an item put after the flag is cleared writes a byte that
+        # stays in the pipe, and one put before it is in the queue when it is emptied.
+        if self._signalled:
+            return
+        self._signalled = True
         try:
             os.write(self.write_fd, b"\0")
         except BlockingIOError:
@@ -66,6 +82,7 @@ class Wakeup:
                 pass
         except BlockingIOError:
             pass
+        self._signalled = False     # after emptying the pipe: a byte written from now on stays
         items = []
         while True:
             try:
@@ -75,6 +92,23 @@ class Wakeup:
 
     def fds(self) -> tuple[int, int]:
         return self.read_fd, self.write_fd
+
+
+class Ack:
+    """A command to ack ``message`` (``then(error or None)`` is posted to the loop thread
+    afterwards, if given). The acks submitted one after another are carried out together,
+    in one round trip where the broker allows (``BrokerConsumer.ack_many``)."""
+
+    __slots__ = ("message", "then")
+
+    def __init__(self, message: Message,
+                 then: Callable[[BaseException | None], None] | None = None) -> None:
+        self.message = message
+        self.then = then
+
+    def __call__(self, consumer: BrokerConsumer) -> None:
+        """Alone (the broker thread batches them instead): ack, raising what fails."""
+        consumer.ack(self.message)
 
 
 class Room:
@@ -153,6 +187,11 @@ class BrokerThread:
         the command is run again every BLOCKED_RETRY seconds until the alarm clears."""
         self.commands.put(self._guarded(command, what))
 
+    def submit_acks(self, acks: list[Ack]) -> None:
+        """Ack messages on the broker thread, together with the acks submitted right
+        before or after them (see ``Ack``)."""
+        self.commands.put_many(acks)
+
     def _guarded(self, command: Command, what: str) -> Command:
         def run(consumer: BrokerConsumer) -> None:
             try:
@@ -188,10 +227,9 @@ class BrokerThread:
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
-        _divert_logging(self.thread, self.post)
+        divert_logging(self.thread, self.post)
         self.loop.add_reader(self.commands.read_fd, self._run_commands)
         self.loop.call_later(0, self._connect)
-        self.loop.every(POLL_INTERVAL, self._poll)
         while not self._stopping:
             self.progress = time.monotonic()
             try:
@@ -211,15 +249,8 @@ class BrokerThread:
         it holds no lock and runs no broker code. A child forked otherwise could inherit a
         lock held mid-call, and CPython clears this thread's frames in the child, running
         whatever cleanup they hold (kombu's would give back the parent's messages)."""
-        if not self.is_alive():
-            yield True
-            return
-        got = self.gate.acquire(timeout=0.002)
-        try:
-            yield got
-        finally:
-            if got:
-                self.gate.release()
+        with parked(self.thread, self.gate) as free:
+            yield free
 
     def _prepare(self) -> None:
         consumer = self.consumer
@@ -236,19 +267,42 @@ class BrokerThread:
             self.loop.add_reader(fd, partial(self.consumer.on_readable, fd))
 
     def _run_commands(self) -> None:
+        acks: list[Ack] = []
         for command in self.commands.take():
+            if isinstance(command, Ack):
+                acks.append(command)
+                continue
+            if acks:
+                self._ack(acks)
+                acks = []
             command(self.consumer)
+        if acks:
+            self._ack(acks)
+
+    def _ack(self, acks: list[Ack]) -> None:
+        """Acks submitted one after another, in order with the other commands."""
+        try:
+            errors = self.consumer.ack_many([ack.message for ack in acks])
+        except Exception as exc:  # noqa: BLE001 - ack_many hands back errors; just in case
+            errors = [exc] * len(acks)
+        for ack, error in zip(acks, errors, strict=True):
+            if ack.then is not None:
+                self.post(partial(ack.then, error))
+            elif error is not None:
+                _failed(self.consumer, error, f"{message_label(ack.message)}: ack")
 
     def _poll(self) -> None:
-        if self.consumer.connected and self.room.available() > 0:
-            self.consumer.poll()
+        consumer = self.consumer
+        if (consumer.connected and self.room.available() > 0
+                and consumer.poll_due(time.monotonic())):
+            consumer.poll()
 
     def _connect(self) -> None:
         if self._stopping or self.consumer.connected:
             return
         consumer = self.consumer
         try:
-            consumer.connect(self.prefetch(), lambda: self.room.available() > 0, retries=0)
+            consumer.connect(self.prefetch(), self.room.available, retries=0)
         except Exception as exc:  # noqa: BLE001 - unreachable still: said, then retried
             self._attempts += 1
             limit = self.max_retries if self.retry_on_startup or not self._first else 0
@@ -287,6 +341,9 @@ class BrokerThread:
             return not self._stopping and generation == self.consumer.generation
         for interval, function in self.consumer.periodic():
             self.loop.every(interval, function, alive)
+        # Polled while there is room: every POLL_INTERVAL where nothing wakes us, else only
+        # as a safety net (consumer.SAFETY_POLL); an idle worker turns a few times a second.
+        self.loop.every(self.consumer.poll_interval, self._poll, alive)
 
     def _received(self, queue_name: str, message: Message) -> None:
         """kombu hands over a message, inside a drain or a connect: counted (which may
@@ -295,13 +352,16 @@ class BrokerThread:
         self._arrived.append((queue_name, message))
 
     def _hand_over(self) -> None:
-        """Count what arrived and give it to the loop. RabbitMQ may replace a redelivered
-        message by a counted copy: nothing to give then."""
+        """Count what arrived and give it to the loop, all in one post. RabbitMQ may
+        replace a redelivered message by a counted copy: nothing to give then."""
         arrived, self._arrived = self._arrived, []
+        counted = []
         for queue_name, message in arrived:
             deliveries = self.consumer.count_delivery(queue_name, message)
             if deliveries is not None:
-                self.post(partial(self.on_message, queue_name, message, deliveries))
+                counted.append((queue_name, message, deliveries))
+        if counted:
+            self.post(partial(_each, self.on_message, counted))
 
     def _lost(self, exc: BaseException) -> None:
         self.post(lambda: self.on_lost(exc))
@@ -316,6 +376,16 @@ class BrokerThread:
             self.consumer.close()
         finally:
             self._stopping = True
+
+
+def _each(function: Callable[..., None], calls: list[tuple[Any, ...]]) -> None:
+    for args in calls:
+        function(*args)
+
+
+def message_label(message: Message) -> str:
+    headers = message.headers or {}
+    return f"{headers.get('task')}[{headers.get('id')}]"
 
 
 def _failed(consumer: BrokerConsumer, exc: Exception, what: str) -> None:
@@ -350,7 +420,23 @@ def _emit(record: logging.LogRecord) -> None:
             handler.handle(record)
 
 
-def _divert_logging(thread: threading.Thread, post: Callable[[Callback], None]) -> None:
+@contextlib.contextmanager
+def parked(thread: threading.Thread, gate: threading.Lock) -> Iterator[bool]:
+    """Loop thread, around fork(): True, holding ``gate``, while ``thread`` (which holds
+    its gate whenever it runs code that a forked child must not inherit mid-call) is
+    parked; False if it is busy (try again later). A thread not running is parked."""
+    if not thread.is_alive():
+        yield True
+        return
+    got = gate.acquire(timeout=0.002)
+    try:
+        yield got
+    finally:
+        if got:
+            gate.release()
+
+
+def divert_logging(thread: threading.Thread, post: Callable[[Callback], None]) -> None:
     divert = _ToLoopThread(thread, post)
     for handler in logging.getLogger().handlers:
         handler.addFilter(divert)

@@ -1,9 +1,9 @@
-"""The ``workhorse`` command: ``worker``, ``config``, ``dead``."""
+"""The ``workhorse`` command: ``worker``, ``config``, ``inspect``, ``control``, ``dead``,
+``health``."""
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import traceback
@@ -22,13 +22,23 @@ from ..config import (
     load_settings,
     render_settings,
 )
+from ..control import client as control_client
+from ..control.commands import ACTIONS
+from ..control.inspect import COMMANDS
 from ..exceptions import AppImportError
 from ..protocol import dead_letter_queue
 from .appload import AppModules
 from .deadletters import Done, list_dead, purge_dead, requeue_dead
 from .exitcodes import ExitCode
-
-LOG_FORMAT = "[%(asctime)s %(levelname)s %(processName)s %(process)d] %(message)s"
+from .hostfiles import (
+    HEALTH_MAX_AGE,
+    PidfileTaken,
+    check_health,
+    health_path,
+    remove_pidfile,
+    write_pidfile,
+)
+from ..logs import configure as configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +59,42 @@ def build_parser() -> argparse.ArgumentParser:
                              "but errors")
     _add_common(config)
 
+    inspect = commands.add_parser(
+        "inspect", help="ask running workers (Celery's remote control, as celery inspect)",
+        description="Broadcast an inspect command to the workers on the broker (workhorse "
+                    "or Celery) and print their replies.")
+    inspect.add_argument("method", metavar="COMMAND",
+                         help=f"one of: {', '.join(sorted(COMMANDS))}")
+    inspect.add_argument("values", nargs="*", metavar="ARG",
+                         help="query_task: the task ids")
+    _add_broadcast(inspect)
+
+    control = commands.add_parser(
+        "control", help="steer running workers (Celery's remote control, as celery control)",
+        description="Broadcast a control command to the workers on the broker (workhorse "
+                    "or Celery) and print their replies. Revokes are also kept in the result "
+                    "store, so workers that start later (workhorse ones) know them.")
+    control.add_argument("method", metavar="COMMAND",
+                         help=f"one of: {', '.join(sorted(ACTIONS))}")
+    control.add_argument("values", nargs="*", metavar="ARG",
+                         help="revoke: the task ids; revoke_by_stamped_headers: key=value "
+                              "stamps")
+    control.add_argument("--terminate", action="store_true",
+                         help="revoke: also signal the child running the task (and what it "
+                              "started)")
+    control.add_argument("--signal", metavar="SIG",
+                         help="with --terminate: the signal, by name or number (default TERM)")
+    _add_broadcast(control)
+
+    health = commands.add_parser(
+        "health", help="exit 0 only while the worker runs tasks (a container health check)",
+        description="Read the health file the worker's loop writes every 2 s (in "
+                    "<state_dir>/health/<hostname>.json): exit 0 if it is fresh, the broker "
+                    "thread turns and it is consuming; else print why and exit 1.")
+    health.add_argument("--max-age", type=float, default=HEALTH_MAX_AGE, metavar="SECONDS",
+                        help=f"how old the file may be (default {HEALTH_MAX_AGE:g})")
+    _add_common(health)
+
     dead = commands.add_parser(
         "dead", help="look at, replay or drop dead-lettered messages",
         description="Dead letters of each consumed queue are in <queue>.dead.")
@@ -65,6 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
     dead.add_argument("--json", action="store_true", help="list as JSON lines")
     _add_common(dead)
     return parser
+
+
+def _add_broadcast(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--timeout", type=float, default=1.0,
+                        help="seconds to wait for replies (default 1)")
+    parser.add_argument("-d", "--destination", action="append", metavar="NAME",
+                        help="ask only this worker (repeatable)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the replies as one JSON object, by worker")
+    _add_common(parser)
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +168,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _config(args, settings)
     if args.command == "dead":
         return _dead(args, settings, app)
+    if args.command in ("inspect", "control"):
+        return _broadcast(args, settings, app)
+    if args.command == "health":
+        problem = check_health(health_path(settings.state_dir, settings.hostname),
+                               args.max_age)
+        if problem:
+            print(f"workhorse: unhealthy: {problem}", file=sys.stderr)
+            return ExitCode.FAILURE
+        print(f"workhorse: {settings.hostname} is healthy")
+        return ExitCode.OK
     return _worker(args, settings, app, modules)
 
 
@@ -127,14 +193,69 @@ def _worker(args: argparse.Namespace, settings: Settings, app: App | None,
         print("workhorse: no task module to run: give -A module[:attribute] or set app in "
               "the [worker] section", file=sys.stderr)
         return ExitCode.CONFIG
-    logging.basicConfig(level=settings.loglevel, format=LOG_FORMAT, stream=sys.stderr)
+    try:
+        configure_logging(settings.loglevel, settings.log_format, settings.logfile)
+    except OSError as exc:
+        print(f"workhorse: cannot open the log file {settings.logfile}: {exc}", file=sys.stderr)
+        return ExitCode.CONFIG
     from .supervisor import Supervisor
 
     def reload() -> tuple[Settings, App]:
         new_settings, new_app = resolve(args, modules)
         assert new_app is not None      # a reload imports the app it started with
         return new_settings, new_app
-    return Supervisor(app, settings, reload=reload).run()
+    pidfile = settings.pidfile
+    if pidfile is not None:
+        try:
+            write_pidfile(pidfile)
+        except (PidfileTaken, OSError) as exc:
+            print(f"workhorse: {exc}", file=sys.stderr)
+            return ExitCode.CONFIG
+    try:
+        return Supervisor(app, settings, reload=reload).run()
+    finally:
+        if pidfile is not None:
+            remove_pidfile(pidfile)
+
+
+def _broadcast(args: argparse.Namespace, settings: Settings, app: App | None) -> int:
+    """``workhorse inspect`` and ``workhorse control``."""
+    what = f"{args.command} {args.method}"
+    try:
+        if args.command == "inspect":
+            arguments = control_client.arguments(args.method, args.values)
+        else:
+            arguments = control_client.control_arguments(
+                args.method, args.values, terminate=args.terminate, signal=args.signal)
+    except ValueError as exc:
+        print(f"workhorse: {args.command}: {exc}", file=sys.stderr)
+        return ExitCode.CONFIG
+    app = app or App(f"workhorse-{args.command}")
+    app.configure(settings)
+    kept = False
+    entries = control_client.revoked_entries(args.method, arguments)
+    if entries:
+        try:
+            app.backend.save_revoked(entries)
+            kept = True
+        except Exception as exc:  # noqa: BLE001 - the broadcast may still reach workers
+            print(f"workhorse: {what}: could not keep it in the result store ({exc!r}): "
+                  "only the workers online now will know it", file=sys.stderr)
+    with app.connection() as connection:
+        replies = control_client.broadcast(connection, args.method, arguments,
+                                           timeout=args.timeout,
+                                           destination=args.destination)
+    if not replies:
+        print(f"workhorse: {what}: no worker replied within {args.timeout:g} s"
+              + ("; kept in the result store: workhorse workers that start later will not "
+                 "run them" if kept else ""), file=sys.stderr)
+        return ExitCode.OK if kept else ExitCode.FAILURE
+    if args.json:
+        print(json.dumps(replies, default=str))
+    else:
+        for name, reply in sorted(replies.items()):
+            print(f"-> {name}: {json.dumps(reply, indent=2, default=str)}")
+    return ExitCode.OK
 
 
 def _dead(args: argparse.Namespace, settings: Settings, app: App | None) -> int:

@@ -26,6 +26,7 @@ from kombu.message import Message
 
 from ..app import BROKER_TIMEOUT, App
 from ..queues import DeadLetterTarget, ensure_queue, rabbitmq_dead_letter_target
+from ..urls import redact
 from ..protocol import (
     DEAD_AT_HEADER,
     DEAD_QUEUE_HEADER,
@@ -36,6 +37,7 @@ from ..protocol import (
     dead_letter_queue,
 )
 from ..transport.redis import Channel as RedisChannel, ListWaiter
+from ..transport.wake import Listener
 from .counting import BROKER_HEADERS, RabbitMQ, earlier_deliveries, parse_version
 
 log = logging.getLogger("workhorse.consumer")
@@ -44,6 +46,10 @@ log = logging.getLogger("workhorse.consumer")
 _KEPT_PROPERTIES = ("correlation_id", "reply_to", "priority")
 #: Brokers with no socket to watch: polled this often while the worker has room.
 POLL_INTERVAL = 0.05
+#: Brokers that wake the worker when a message is there (Redis, RabbitMQ, SQLite with its
+#: wakeups) are still polled this often while the worker has room: a safety net for a
+#: wakeup that could not reach it, never the way messages normally arrive.
+SAFETY_POLL = 1.0
 #: RabbitMQ heartbeat for the consumer's connection (seconds), checked from the loop: a
 #: silent broker is noticed and the connection replaced instead of waited on forever.
 AMQP_HEARTBEAT = 30.0
@@ -62,7 +68,7 @@ class BrokerConsumer:
     def __init__(self, app: App, queues: list[str], on_message: OnMessage,
                  on_lost: OnLost) -> None:
         self.app = app
-        self.queues = queues
+        self.queues = list(queues)      # this thread's: add_queue/cancel_queue change it
         self.on_message = on_message
         self.on_lost = on_lost
         #: Bumped by each connect: periodic work for an older connection stops.
@@ -88,10 +94,10 @@ class BrokerConsumer:
         self.rabbitmq: RabbitMQ | None = None
 
     # -- lifecycle
-    def connect(self, prefetch_count: int, has_room: Callable[[], bool], *,
+    def connect(self, prefetch_count: int, room: Callable[[], int], *,
                 retries: int = 3) -> None:
-        """Connect and start consuming. ``has_room``: the supervisor's own count says it may
-        take one more message (brokers we poll ask it before each fetch). Raises when the
+        """Connect and start consuming. ``room``: how many more messages the supervisor's
+        own count says it may take (brokers we poll ask it before each fetch). Raises when the
         broker cannot be reached (after ``retries`` quick retries); nothing is kept of a
         connection that failed half-way, so the next attempt starts afresh."""
         connection = self.app.connection(heartbeat=AMQP_HEARTBEAT)
@@ -99,7 +105,7 @@ class BrokerConsumer:
             connection.ensure_connection(max_retries=retries, interval_start=0.2,
                                          interval_step=0.5)
             channel = connection.channel()
-            driver = _driver_for(connection, channel, has_room)
+            driver = _driver_for(connection, channel, room)
             targets = {q: rabbitmq_dead_letter_target(connection, q) for q in self.queues}
             consumers = [
                 Consumer(channel, [ensure_queue(connection, q)],
@@ -110,7 +116,7 @@ class BrokerConsumer:
             else:
                 # kombu's virtual transports fetch only while their QoS says it can
                 # consume; let it ask the supervisor, whose count is exact in either mode.
-                channel.qos.can_consume = has_room
+                channel.qos.can_consume = lambda: room() > 0
             for consumer in consumers:
                 consumer.consume()
             producer = Producer(connection.channel())
@@ -220,6 +226,33 @@ class BrokerConsumer:
         self.driver = None
         self.consuming = False
 
+    def add_queue(self, queue: str) -> None:
+        """Consume ``queue`` too, now and after every reconnect (remote control)."""
+        if queue in self.queues:
+            return
+        self.queues.append(queue)
+        connection = self.connection
+        if connection is None or not self.consuming or not self.consumers:
+            return          # the next connect consumes it
+        consumer = Consumer(self.consumers[0].channel, [ensure_queue(connection, queue)],
+                            on_message=partial(self.on_message, queue), no_ack=False)
+        if self.push:
+            self.dead_letter_targets[queue] = rabbitmq_dead_letter_target(connection, queue)
+        self._guarded(consumer.consume)
+        self.consumers.append(consumer)
+        self._queues_ready.add(queue)
+
+    def cancel_queue(self, queue: str) -> None:
+        """Stop consuming ``queue`` (remote control); what was taken from it stays held and
+        is settled as usual."""
+        if queue not in self.queues:
+            return
+        self.queues.remove(queue)
+        for consumer in list(self.consumers):
+            if any(q.name == queue for q in consumer.queues or ()):
+                self._guarded(consumer.cancel)
+                self.consumers.remove(consumer)
+
     def cancel(self) -> None:
         """Stop fetching; what is already held stays held."""
         if not self.consuming:
@@ -249,7 +282,17 @@ class BrokerConsumer:
 
     def poll(self) -> None:
         if self.driver is not None and self.consuming:
+            self.driver.polled_at = monotonic()
             self._guarded(self.driver.poll)
+
+    @property
+    def poll_interval(self) -> float:
+        return self.driver.poll_interval if self.driver is not None else POLL_INTERVAL
+
+    def poll_due(self, now: float) -> bool:
+        """Is the driver's periodic poll due (see POLL_INTERVAL, SAFETY_POLL)?"""
+        driver = self.driver
+        return driver is not None and now - driver.polled_at >= driver.poll_interval
 
     def periodic(self) -> list[tuple[float, Callable[[], None]]]:
         """Housekeeping the current connection's driver needs every so often."""
@@ -305,6 +348,39 @@ class BrokerConsumer:
     # -- settling
     def ack(self, message: Message) -> None:
         self._settling(message.channel, message.ack)
+
+    def ack_many(self, messages: list[Message]) -> list[Exception | None]:
+        """Ack several messages, in one round trip per channel where the channel can (Redis);
+        return each one's error, or None."""
+        errors: list[Exception | None] = [None] * len(messages)
+        by_channel: dict[Any, list[int]] = {}
+        for n, message in enumerate(messages):
+            by_channel.setdefault(message.channel, []).append(n)
+        for channel, numbers in by_channel.items():
+            batch = getattr(getattr(channel, "qos", None), "ack_many", None)
+            if batch is None or len(numbers) == 1:
+                for n in numbers:
+                    try:
+                        self.ack(messages[n])
+                    except Exception as exc:  # noqa: BLE001 - handed back, per message
+                        errors[n] = exc
+                continue
+            ready: list[Message] = []
+            for n in numbers:
+                if messages[n].acknowledged:
+                    errors[n] = Message.MessageStateError(
+                        f"Message already acknowledged with state: {messages[n]._state}")
+                else:
+                    ready.append(messages[n])
+            try:
+                self._settling(channel, partial(batch, [m.delivery_tag for m in ready]))
+            except Exception as exc:  # noqa: BLE001 - handed back, per message
+                for n in numbers:
+                    errors[n] = errors[n] or exc
+                continue
+            for message in ready:
+                message._state = "ACK"
+        return errors
 
     def forget(self, message: Message) -> None:
         """Drop a message whose lease was lost (``renew`` said so) from its channel's
@@ -450,16 +526,6 @@ def _rabbitmq(connection: Connection) -> RabbitMQ:
     return server
 
 
-def redact(url: str) -> str:
-    """Hide a password in a URL before logging it."""
-    if "://" not in url or "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    credentials, _, host = rest.rpartition("@")
-    user = credentials.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
-
-
 def _is_auth_failure(exc: BaseException) -> bool:
     """RabbitMQ's ACCESS_REFUSED, Redis's WRONGPASS/NOAUTH and the like."""
     names = {type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None}
@@ -492,9 +558,13 @@ class _Driver:
     #: The broker pushes messages up to a QoS credit (AMQP); others are fetched by kombu
     #: only while the channel's QoS says it can consume.
     push = False
+    #: How often the broker thread polls while there is room (it also polls whenever the
+    #: room grows); brokers that wake the worker need it only as a safety net.
+    poll_interval = SAFETY_POLL
 
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
+        self.polled_at = 0.0        # monotonic time of the last poll
 
     def send_qos(self, channel: Any, count: int) -> None:
         raise NotImplementedError
@@ -556,24 +626,25 @@ class _RedisDriver(_Driver):
     WAIT_TIMEOUT = 10
 
     def __init__(self, connection: Connection, channel: Any,
-                 has_room: Callable[[], bool]) -> None:
+                 room: Callable[[], int]) -> None:
         super().__init__(connection)
         self.channel = channel
-        self.has_room = has_room
+        self.room = room
         self.cycle = connection.transport.cycle
         self.waiters: dict[str, ListWaiter] = {}
         self.blocking = True        # False on Redis < 6.2 (no BLMOVE): polled instead
 
     def _take_while_room(self) -> bool:
+        """Take as many as there is room for, several per round trip."""
         took = False
-        while self.has_room() and self.channel.take():
+        while (room := self.room()) > 0 and self.channel.take(room):
             took = True
         return took
 
     def tick(self) -> None:
         """With room, and no wait armed on every list: take what is there, else arm them.
         (While all are armed a new message wakes us; after a settle, ``poll`` takes.)"""
-        if not self.has_room() or not self.blocking:
+        if self.room() <= 0 or not self.blocking:
             return
         keys = self.channel.list_keys(self.channel.active_queues)
         if all(k in self.waiters and self.waiters[k].sent_at is not None for k in keys):
@@ -632,16 +703,60 @@ class _RedisDriver(_Driver):
 
 
 class _PolledDriver(_Driver):
-    """Brokers without a socket (SQLite, memory): the loop calls ``poll()`` on a timer."""
+    """Brokers without a socket (memory): the loop calls ``poll()`` on a timer."""
+
+    poll_interval = POLL_INTERVAL
 
 
-def _driver_for(connection: Connection, channel: Any, has_room: Callable[[], bool]) -> _Driver:
+class _TakingDriver(_PolledDriver):
+    """SQLite: each poll leases as many as there is room for in one transaction and
+    delivers them at once (``Channel.take``), instead of kombu's one message (and one
+    commit) per fetch. Publishers wake it (``transport.wake``); where that cannot be set up
+    (the broker file's directory read-only), it is polled every POLL_INTERVAL."""
+
+    def __init__(self, connection: Connection, channel: Any,
+                 room: Callable[[], int]) -> None:
+        super().__init__(connection)
+        self.channel = channel
+        self.room = room
+        self.listener: Listener | None = None
+        path = connection.transport.store.path
+        try:
+            self.listener = Listener(path)
+        except OSError as exc:
+            log.warning("SQLite broker %s: publishers cannot wake this worker (%r); it polls "
+                        "the file every %.2f s instead", path, exc, POLL_INTERVAL)
+        else:
+            self.poll_interval = SAFETY_POLL
+
+    def fds(self) -> set[int]:
+        return {self.listener.fileno()} if self.listener is not None else set()
+
+    def on_readable(self, fd: int) -> None:
+        if self.listener is not None:
+            self.listener.drain()
+        self.polled_at = monotonic()
+        self.poll()
+
+    def poll(self) -> None:
+        while (room := self.room()) > 0 and self.channel.take(room):
+            pass
+
+    def finish(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+
+def _driver_for(connection: Connection, channel: Any, room: Callable[[], int]) -> _Driver:
     driver_type = connection.transport.driver_type
     if driver_type == "amqp":
         return _AmqpDriver(connection)
     if driver_type == "redis":
         if isinstance(channel, RedisChannel):
-            return _RedisDriver(connection, channel, has_room)
+            return _RedisDriver(connection, channel, room)
         raise ValueError("Redis brokers are consumed through workhorse.transport.redis "
                          "(App.connection() chooses it)")
+    if callable(getattr(channel, "take", None)):
+        return _TakingDriver(connection, channel, room)
     return _PolledDriver(connection)

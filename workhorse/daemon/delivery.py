@@ -37,6 +37,8 @@ class Delivery:
     timer: Any = field(default=None, repr=False)   # its ETA (or store retry) timer
     #: An idempotent task's claim (key, owner) while its child runs it.
     claim: tuple[str, str] | None = None
+    #: What its child reported (Done), for task events.
+    done: Any = field(default=None, repr=False)
     #: While STORING: how it ends, carried out once its result is stored.
     settlement: tuple[Outcome, Decision, str | None] | None = field(default=None, repr=False)
 

@@ -15,8 +15,9 @@ from ..pool.child import Child
 from ..pool.ipc import Job
 from ..pool.limits import effective_limit
 from ..ratelimit import RateLimits
-from .delivery import Delivery, Stage
 from .current import Current
+from .delivery import Delivery, Stage
+from .events import TaskEvents
 from .holding import Holding
 from .intake import Intake
 from .loop import Loop, Timer
@@ -54,6 +55,8 @@ class Dispatch:
         self.loop = loop
         self.clock = clock
         self.rate_limits = RateLimits()
+        #: Task events (task-started), set by the supervisor.
+        self.events = TaskEvents()
         self._rate_wakeup: Timer | None = None    # set while a rate-limited message waits
 
     def dispatch(self) -> None:
@@ -71,7 +74,7 @@ class Dispatch:
 
     def _next_startable(self) -> Delivery | None:
         while (delivery := self.holding.next_buffered(self._rate_limited)) is not None:
-            if self.intake.expired(delivery):     # it waited (ETA, buffer) past its expiry
+            if self.intake.cancelled(delivery):   # it expired or was revoked while it waited
                 continue
             if self.holding.has_task_id(delivery.request.id or ""):
                 log.info("%s: a copy of it runs here already; looking again in %.0f s",
@@ -110,6 +113,8 @@ class Dispatch:
         self.holding.start(delivery)
         delivery.started = True
         self.rate_limits.take(delivery.request.task, self.clock())
+        if self.events.on:
+            self.events.started(delivery)
 
     def _job(self, delivery: Delivery) -> Job:
         request, message = delivery.request, delivery.message
@@ -126,7 +131,7 @@ class Dispatch:
                    delivery.queue, priority,
                    delivery.policy.acks_late, claim_owner=self.claim_owner(delivery.seq),
                    claim_ttl=self.current.settings.visibility_timeout,
-                   properties=dict(message.properties or {}))
+                   properties=dict(message.properties or {}), events=self.events.on)
 
     def _ack_at_start(self, delivery: Delivery) -> None:
         """At-most-once: acked before a child gets it, so an ack that fails never lets it

@@ -1,6 +1,7 @@
 """Where a message goes when it arrives: dead letters for what cannot run, REVOKED for
-what expired, the schedule for ETA messages, else the buffer. Also the schedule itself:
-ETA timers, and the pause in fetching once ``max_scheduled`` is reached."""
+what expired or was revoked, the schedule for ETA messages, else the buffer. Also the
+schedule itself: ETA timers, and the pause in fetching once ``max_scheduled`` is
+reached."""
 from __future__ import annotations
 
 import logging
@@ -10,11 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 from kombu.message import Message
 
+from ..control.revoked import Revoked
 from ..exceptions import MalformedMessage, NotRegistered
 from ..outcome import Outcome, Policy
 from ..protocol import Request, malformed_request, read_request
-from .delivery import Delivery, Stage
 from .current import Current
+from .delivery import Delivery, Stage
+from .events import TaskEvents
 from .holding import Holding
 from .settlement import Settlement
 
@@ -55,6 +58,10 @@ class Intake:
         self.on_change = on_change
         #: Is the worker taking work? Stopping, nothing new is held.
         self.accepting = accepting
+        #: What remote control revoked (by id, by stamped header): never started.
+        self.revoked = Revoked()
+        #: Task events (task-received), set by the supervisor.
+        self.events = TaskEvents()
         self._seq = 0
 
     def accept(self, queue: str, message: Message, deliveries: int) -> None:
@@ -73,7 +80,7 @@ class Intake:
                                    f"{NotRegistered(request.task)} (does the worker's app "
                                    "define it?)")
             return
-        if self.expired(delivery):
+        if self.cancelled(delivery):
             return
         delivery.deliveries = deliveries
         policy = delivery.policy
@@ -84,6 +91,8 @@ class Intake:
             log.error("%s: %s; dead-lettered", delivery.label, detail)
             self.settlement.settle(delivery, Outcome.TOO_MANY_DELIVERIES, detail)
             return
+        if self.events.on:
+            self.events.received(delivery)
         now = self.now()
         if request.eta is not None and request.eta > now:
             self.schedule(delivery, (request.eta - now).total_seconds())
@@ -106,6 +115,17 @@ class Intake:
             return
         delivery = self._delivery(queue, message, request, None)
         self.settlement.settle(delivery, Outcome.MALFORMED, reason)
+
+    def cancelled(self, delivery: Delivery) -> bool:
+        """Settle ``delivery`` as REVOKED if it expired or was revoked (not started)."""
+        if self.expired(delivery):
+            return True
+        reason = self.revoked.match(delivery.request.id, delivery.request.headers)
+        if reason is None:
+            return False
+        log.info("%s: %s, not run", delivery.label, reason)
+        self.settlement.settle(delivery, Outcome.REVOKED, reason)
+        return True
 
     def expired(self, delivery: Delivery) -> bool:
         """Settle ``delivery`` as REVOKED if its ``expires`` has passed (not started)."""

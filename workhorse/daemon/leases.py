@@ -35,6 +35,8 @@ class Leases:
         self.holding = holding
         self.visibility_timeout = visibility_timeout
         self.on_change = on_change
+        #: Leases renewed so far (metrics).
+        self.renewed = 0
 
     @property
     def interval(self) -> float:
@@ -53,6 +55,7 @@ class Leases:
                     if delivery is not None:
                         self._lease_lost(delivery)
             self.broker.renew([d.message for d in held], lost)
+            self.renewed += len(held)
         claims = {d.claim[0]: d.claim[1] for d in self.holding.running if d.claim is not None}
         if claims:
             for key in self.current.app.backend.renew_claims(claims, self.visibility_timeout):

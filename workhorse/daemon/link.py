@@ -3,18 +3,21 @@ returns at once; what comes back (messages, results, a lost or restored connecti
 run on the loop thread, from its selector, through the ``Wakeup`` it watches."""
 from __future__ import annotations
 
+import threading
+
 import logging
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kombu.message import Message
 
 from . import systemd
-from .brokerthread import BrokerThread, Command, Wakeup
-from .consumer import BrokerConsumer, redact
+from .brokerthread import Ack, BrokerThread, Command, Wakeup, message_label
+from .loop import Timer
+from ..urls import redact
+from .consumer import BrokerConsumer
 
 if TYPE_CHECKING:
     from ..app import App
@@ -22,6 +25,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("workhorse.supervisor")
 
+#: A late ack waits at most this long to be sent with others (see ``BrokerLink.ack``).
+ACK_DELAY = 0.005
 #: The broker thread is taken to hang inside a call (and the watchdog is no longer pinged,
 #: so systemd restarts the worker) once it has not turned for this long. Its calls time
 #: out well before that; a broker that is down is retried, which counts as turning.
@@ -48,6 +53,13 @@ class BrokerLink:
         self.leased = False     # SQLite, Redis: leases to renew
         self.received = 0       # messages handed to the loop so far (for Room)
         self._credit = -1
+        self.loop = loop
+        #: Acks not yet handed to the broker thread, and whether one of them is urgent
+        #: (an ack at start: its task waits for it). See ``ack``.
+        self._acks: list[Ack] = []
+        self._urgent = False
+        self._ack_timer: Timer | None = None
+        self._room_grew = False
         self.thread = BrokerThread(app, queues, self.inbox.put, self._message,
                                    self._connected, self._lost, on_gave_up, prefetch,
                                    max_retries, retry_on_startup)
@@ -65,6 +77,7 @@ class BrokerLink:
         settle comes back from the broker)."""
         if not self.thread.is_alive():
             return
+        self.flush()
         self.thread.stop()
         deadline = time.monotonic() + timeout
         while self.thread.is_alive() and time.monotonic() < deadline:
@@ -87,11 +100,25 @@ class BrokerLink:
         return f"broker {self.where} {state}, its thread last turned {age:.1f} s ago"
 
     # ------------------------------------------------------------------ room and credit
-    def set_room(self, free: int) -> None:
+    @property
+    def batch(self) -> int:
+        """Free places worth a fetch of their own while children still have work buffered,
+        and acks worth a wakeup of their own: half the prefetch window."""
+        return max(1, self.thread.prefetch() // 2)
+
+    def set_room(self, free: int, starved: bool = True) -> None:
         """Free places in the window (0: take nothing). More room than before wakes the
-        broker thread to fetch."""
-        if self.thread.room.update(free, self.received):
+        broker thread to fetch: at once if ``starved`` (nothing is buffered for a child),
+        else once ``batch`` places are free, so that one round trip takes several."""
+        room = self.thread.room
+        if room.update(free, self.received):
+            self._room_grew = True          # since the last fetch
+        if self._room_grew and room.available() > 0 and (
+                starved or room.available() >= self.batch):
+            self._room_grew = False
             self.submit(_fetch, "fetching")
+        elif self._urgent or len(self._acks) >= self.batch:
+            self.flush()
 
     def set_credit(self, count: int) -> None:
         if count != self._credit:
@@ -100,35 +127,55 @@ class BrokerLink:
 
     # ------------------------------------------------------------------ settling
     def submit(self, command: Command, what: str) -> None:
+        """Run ``command`` on the broker thread, after the acks made before it."""
+        if self._acks:
+            self.flush()
         self.thread.submit(command, what)
 
     def ack(self, message: Message) -> None:
-        self.submit(lambda c: c.ack(message), f"{_label(message)}: ack")
+        """A late ack (the task is over; nothing here waits for it) is held back until the
+        loop hands the broker thread something else (a fetch, the end of a turn with
+        ``batch`` acks waiting) or ACK_DELAY has passed, so acks travel several to a
+        round trip (RabbitMQ: until the end of the turn, see below). What it widens is
+        the window in which a supervisor killed outright leaves a finished task unacked
+        (it is delivered again, as SEMANTICS allows; with its result stored it is not run
+        again) by at most ACK_DELAY."""
+        self._acks.append(Ack(message))
+        if self.push:
+            # RabbitMQ sends the next messages only as acks free its credit: an ack held
+            # back would hold them back. These go at the end of the turn.
+            self._urgent = True
+        elif self._ack_timer is None:
+            self._ack_timer = self.loop.call_later(ACK_DELAY, self.flush)
 
     def ack_then(self, message: Message, then: Callable[[BaseException | None], None]) -> None:
-        """Ack, then run ``then(error or None)`` on the loop thread."""
-        def command(consumer: BrokerConsumer) -> None:
-            try:
-                consumer.ack(message)
-            except Exception as exc:  # noqa: BLE001 - handed to the loop thread
-                self.inbox.put(partial(then, exc))
-                return
-            self.inbox.put(lambda: then(None))
-        self.submit(command, f"{_label(message)}: ack at start")
+        """Ack, then run ``then(error or None)`` on the loop thread; sent at the end of
+        this turn of the loop, with the other acks made in it."""
+        self._acks.append(Ack(message, then))
+        self._urgent = True
+
+    def flush(self) -> None:
+        """Hand the acks held back to the broker thread (one wakeup for all)."""
+        if self._ack_timer is not None:
+            self._ack_timer.cancel()
+            self._ack_timer = None
+        acks, self._acks, self._urgent = self._acks, [], False
+        if acks:
+            self.thread.submit_acks(acks)
 
     def requeue(self, queue: str, message: Message) -> None:
-        self.submit(lambda c: c.requeue(queue, message), f"{_label(message)}: requeue")
+        self.submit(lambda c: c.requeue(queue, message), f"{message_label(message)}: requeue")
 
     def requeue_counted(self, queue: str, message: Message, deliveries: int) -> None:
         self.submit(lambda c: c.requeue_counted(queue, message, deliveries),
-                    f"{_label(message)}: requeue (counted)")
+                    f"{message_label(message)}: requeue (counted)")
 
     def hand_back(self, queue: str, message: Message) -> None:
-        self.submit(lambda c: c.hand_back(queue, message), f"{_label(message)}: hand back")
+        self.submit(lambda c: c.hand_back(queue, message), f"{message_label(message)}: hand back")
 
     def republish(self, queue: str, message: Message, headers: Mapping[str, Any]) -> None:
         self.submit(lambda c: c.republish(queue, message, headers),
-                    f"{_label(message)}: put back")
+                    f"{message_label(message)}: put back")
 
     def dead_letter(self, queue: str, message: Message, reason: str, task_id: str | None,
                     worker: str, *, acked: bool, or_requeue: bool = False) -> None:
@@ -141,12 +188,12 @@ class BrokerLink:
                 if not or_requeue or acked or consumer.is_connection_error(exc):
                     raise
                 log.error("%s: could not dead-letter it (%r); it goes back to %s",
-                          _label(message), exc, queue)
+                          message_label(message), exc, queue)
                 consumer.requeue(queue, message)
-        self.submit(command, f"{_label(message)}: dead-letter")
+        self.submit(command, f"{message_label(message)}: dead-letter")
 
     def forget(self, message: Message) -> None:
-        self.submit(lambda c: c.forget(message), f"{_label(message)}: forget a lost lease")
+        self.submit(lambda c: c.forget(message), f"{message_label(message)}: forget a lost lease")
 
     def renew(self, messages: list[Message],
               then: Callable[[list[Message]], None]) -> None:
@@ -158,6 +205,34 @@ class BrokerLink:
 
     def cancel(self) -> None:
         self.submit(lambda c: c.cancel(), "cancelling the consumers")
+
+    def add_queue(self, queue: str) -> threading.Event | None:
+        """Consume ``queue`` too; None if it is consumed already, else an event the broker
+        thread sets once it consumes it (or will, at its next connect)."""
+        if queue in self.queues:
+            return None
+        self.queues.append(queue)
+        return self._then_set(lambda c: c.add_queue(queue), f"consuming {queue}")
+
+    def cancel_queue(self, queue: str) -> threading.Event | None:
+        """Stop consuming ``queue``; None if it is not consumed, else an event the broker
+        thread sets once it no longer fetches from it."""
+        if queue not in self.queues:
+            return None
+        self.queues.remove(queue)
+        return self._then_set(lambda c: c.cancel_queue(queue), f"no longer consuming {queue}")
+
+    def _then_set(self, command: Command, what: str) -> threading.Event:
+        """Submit ``command``; the event is set once the broker thread has run it."""
+        done = threading.Event()
+
+        def run(consumer: BrokerConsumer) -> None:
+            try:
+                command(consumer)
+            finally:
+                done.set()
+        self.submit(run, what)
+        return done
 
     def is_connection_error(self, exc: BaseException) -> bool:
         return False        # nothing here raises: the broker thread logs its own errors
@@ -191,9 +266,4 @@ class BrokerLink:
 def _fetch(consumer: BrokerConsumer) -> None:
     if consumer.connected:
         consumer.poll()
-
-
-def _label(message: Message) -> str:
-    headers = message.headers or {}
-    return f"{headers.get('task')}[{headers.get('id')}]"
 

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kombu.message import Message
 
 from ..backends import RetryPolicy
-from ..chains import fail_chain
-from ..chords import chord_part_return
+from ..chords import chord_part_return, fail_chain
 from ..exceptions import (
     MalformedMessage,
     NotRegistered,
@@ -27,8 +26,10 @@ from ..exceptions import (
 from ..outcome import Action, Decision, Outcome, Store, decide
 from ..protocol import read_message
 from ..states import FAILURE, REVOKED
-from .delivery import Delivery
 from .current import Current
+from .delivery import Delivery
+from .events import TaskEvents
+from .metrics import Metrics
 from .holding import Holding
 
 if TYPE_CHECKING:
@@ -60,12 +61,22 @@ class Settlement:
         self.retry = retry
         #: Called after a message is settled or held to store: credit and fetching follow.
         self.on_change = on_change
+        #: Task events (how each task ended), set by the supervisor.
+        self.events = TaskEvents()
+        #: Prometheus counts, when served (metrics_port).
+        self.metrics: Metrics | None = None
 
     def settle(self, delivery: Delivery, outcome: Outcome, detail: str | None) -> None:
         """Carry out the Outcomes table for ``delivery``: store what only the supervisor
         can store, then ack, requeue or dead-letter. Never lets an error escape."""
         decision = decide(outcome, delivery.policy, started=delivery.started,
                           deliveries=delivery.deliveries)
+        if self.events.on:
+            self.events.settled(delivery, outcome, decision, detail)
+        if self.metrics is not None:
+            self.metrics.settled(delivery.request.task, outcome.value)
+            if decision.action is Action.DEAD_LETTER:
+                self.metrics.dead_lettered += 1
         self._store_then_settle(delivery, outcome, decision, detail, 0)
 
     def _store_then_settle(self, delivery: Delivery, outcome: Outcome, decision: Decision,
@@ -170,6 +181,8 @@ class Settlement:
     def dead_letter_malformed(self, queue: str, message: Message, reason: str) -> None:
         """A malformed message that gives no task id: there is no result to fail, so it is
         only dead-lettered (one that gives an id is settled as Outcome.MALFORMED)."""
+        if self.metrics is not None:
+            self.metrics.dead_lettered += 1
         log.error("malformed message on %s, giving no task id (no result stored), "
                   "dead-lettered to %s.dead: %s", queue, queue, reason)
         try:
@@ -198,7 +211,8 @@ class Settlement:
         exc = _stored_exception(decision.store, request.task, detail)
         backend.mark_as_failure(task_id, exc, None, request=info)
         if decision.store is not Store.MALFORMED:
-            fail_chain(self.current.app, self._embed(delivery).get("chain"), exc, None)
+            fail_chain(self.current.app, self._embed(delivery).get("chain"), exc, None,
+                       inline_errbacks=False)
         self._chord_part(delivery, FAILURE, exc)
 
     def _chord_part(self, delivery: Delivery, state: str, result: Any) -> None:

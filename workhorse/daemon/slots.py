@@ -9,6 +9,7 @@ whose children keep dying before they are ready (replacing them cannot help).
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -32,6 +33,9 @@ FORK_RETRY = 0.01
 #: Consecutive crashes of a slot back off from this delay, doubling, up to the cap.
 CRASH_BACKOFF_START = 0.1
 CRASH_BACKOFF_MAX = 10.0
+#: A child revoked with terminate that still runs its task this long after the signal is
+#: SIGKILLed.
+TERMINATE_GRACE = 5.0
 
 
 class OS(Protocol):
@@ -108,6 +112,8 @@ class Slots:
         self.generation = 0
         #: Slots still to retire when the next busy children finish (pool shrinking).
         self.to_retire = 0
+        #: Told why each child that is replaced ended (metrics), if set.
+        self.on_child_exit: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ views
     @property
@@ -179,7 +185,13 @@ class Slots:
         self._cancel_limits(child)
         self.slots[child.index].crashes = 0
         self.events.job_done(delivery, done)
-        if not child.handle.at_eof:     # else it is exiting already
+        if child.kill_reason is Outcome.TERMINATED:
+            # Its task finished although it was told to terminate (it handled the signal,
+            # or ended first): its own result stands, and the child goes as it was told.
+            log.warning("%s: finished although revoked with terminate; its result stands",
+                        delivery.label)
+            child.kill(None, "revoked with terminate")
+        elif not child.handle.at_eof:     # else it is exiting already
             self.maybe_recycle(child)
 
     def reap(self) -> None:
@@ -226,6 +238,9 @@ class Slots:
         elif not expected:
             (log.info if killed else log.error)("%s %s", child.name, how)
         if self.accepting():
+            if self.on_child_exit is not None:
+                self.on_child_exit(getattr(child.kill_reason, "value", None) or (
+                    "killed" if killed else "recycled" if expected else "crashed"))
             self._replace(child, crashed=not expected and not killed)
 
     def _replace(self, child: Child, crashed: bool) -> None:
@@ -374,6 +389,31 @@ class Slots:
         why = f"hard time limit ({seconds:g} s) exceeded"
         log.error("%s: %s; killing %s and what it started", delivery.label, why, child.name)
         child.kill(Outcome.TIME_LIMIT, why)
+
+    def terminate(self, delivery: Delivery, sig: int) -> bool:
+        """Revoked with terminate: send ``sig`` to the child running ``delivery`` and
+        everything it started; if it still runs that job ``TERMINATE_GRACE`` s later,
+        SIGKILL. Its job is settled as TERMINATED (REVOKED, never run again). False: no
+        child runs it (it finished meanwhile)."""
+        child = next((c for c in self.children() if c.busy and c.job is delivery), None)
+        if child is None:
+            return False
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        detail = f"revoked with terminate ({name})"
+        log.warning("%s: %s; signalling %s and what it started", delivery.label, detail,
+                    child.name)
+        child.terminate(Outcome.TERMINATED, detail, sig)
+        if sig != signal.SIGKILL:
+            def still_running() -> None:
+                if child.job is delivery:
+                    log.error("%s: still running %.0f s after %s; killing %s",
+                              delivery.label, TERMINATE_GRACE, name, child.name)
+                    child.kill(Outcome.TERMINATED, detail)
+            child.timers.append(self.loop.call_later(TERMINATE_GRACE, still_running))
+        return True
 
     @staticmethod
     def _cancel_limits(child: Child) -> None:

@@ -16,10 +16,14 @@ shutdown. Signals only wake the loop.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
+import os
 import signal
-from collections.abc import Callable
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from kombu.message import Message
@@ -27,11 +31,14 @@ from kombu.message import Message
 from ..app import BROKER_TIMEOUT, result_retry_policy
 from ..backends import RetryPolicy
 from ..config import Settings
+from ..control.inspect import TaskInfo, WorkerView
 from ..outcome import Outcome
 from ..pool.ipc import Done
 from ..pool.runtime import ChildRuntime
+from ..urls import redact
 from . import systemd
-from .delivery import Delivery
+from .delivery import Delivery, Stage
+from .control import ControlThread
 from .current import Current
 from .dispatch import Dispatch
 from .exitcodes import ExitCode
@@ -41,6 +48,12 @@ from .leases import Leases
 from .link import BrokerLink
 from .loop import Loop
 from .reload import Load, Reload
+from .events import EventThread, TaskEvents
+from .hostfiles import HEALTH_INTERVAL, health_path, write_health
+from ..logs import reopen_logfile
+from .metrics import Metrics, MetricsServer
+from .service import ServiceThread
+from .steering import Steering
 from .settlement import Settlement
 from .signals import SignalPipe
 from .slots import Recycling, Slots
@@ -59,6 +72,10 @@ HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD
 
 #: How often the worker deletes expired results from stores that do not expire them.
 RESULT_PURGE_INTERVAL = 300.0
+#: While stopping: how often STATUS= and EXTEND_TIMEOUT_USEC= go to systemd.
+STOP_STATUS_INTERVAL = 5.0
+#: How often the loop's lag is measured (metrics).
+LAG_INTERVAL = 1.0
 #: How often idle children's memory is compared with max_memory_per_child.
 IDLE_MEMORY_CHECK = 2.0
 
@@ -101,7 +118,7 @@ class Supervisor:
                            self, Recycling(settings.max_tasks_per_child,
                                            settings.max_memory_per_child), self._accepting,
                            max_boot_failures=settings.max_boot_failures,
-                           may_fork=self.link.parked)
+                           may_fork=self._may_fork)
         self.leases = Leases(self.current, self.link, self.holding,
                              settings.visibility_timeout, self._changed)
         self.dispatch = Dispatch(self.current, self.holding, self.intake, self.slots,
@@ -110,6 +127,35 @@ class Supervisor:
                                  self.loop, self.system.monotonic)
         self.reloading = Reload(self.current, reload, self.slots, self.holding,
                                 self.settlement, self.system.monotonic, self._changed)
+        #: Celery's event stream; task events are off until send_events or enable_events.
+        self.events = (EventThread(app, self.hostname, self._load, settings.send_events,
+                                   settings.heartbeat_events)
+                       if settings.send_events or settings.heartbeat_events
+                       or settings.remote_control else None)
+        self.intake.events = self.dispatch.events = self.settlement.events = TaskEvents(
+            self.events)
+        steering = Steering(self.current, self.intake, self.holding, self.slots,
+                            self.reloading, self.warm_shutdown, self.events, self.link)
+        self.control = (ControlThread(app, self.hostname, self._worker_view, steering,
+                                      self.intake.revoked.merge, redact(settings.broker_url))
+                        if settings.remote_control else None)
+        #: Prometheus metrics, when served.
+        self.metrics: Metrics | None = None
+        self.metrics_server: MetricsServer | None = None
+        if settings.metrics_port:
+            self.metrics = Metrics(self._held_by_stage, lambda: self.leases.renewed)
+            self.settlement.metrics = self.metrics
+            self.slots.on_child_exit = self.metrics.child_exited
+            self.metrics_server = MetricsServer(self.metrics, settings.metrics_port,
+                                                settings.metrics_bind)
+        #: The threads with broker connections of their own, besides the broker thread's.
+        self.services: list[ServiceThread] = [s for s in (self.control, self.events) if s]
+        self.started_at = self.system.monotonic()
+        #: Tasks finished by this worker, by name (``inspect stats``).
+        self.totals: Counter[str] = Counter()
+        self.processed = 0
+        self.health_file = health_path(settings.state_dir, self.hostname)
+        self._health_failed = False
 
     @property
     def app(self) -> App:
@@ -129,7 +175,7 @@ class Supervisor:
         self.link.set_credit(self.holding.credit(now))
         free = self.holding.window - self.holding.held
         self.link.set_room(free if self._accepting() and now >= self.holding.paused_until
-                           else 0)
+                           else 0, starved=not self.holding.buffer)
 
     def run(self) -> int:
         """Run until shut down; return the process exit status."""
@@ -146,6 +192,9 @@ class Supervisor:
             self._start_timers()
             self.phase = Phase.RUNNING
             self.link.start()           # connects on its own thread, with back-off
+            for service in self.services:
+                service.start(self.loop)
+            self._serve_metrics()
             systemd.notify(f"READY=1\nSTATUS=connecting to the broker at {self.link.where}")
             while self.phase is not Phase.STOPPED:
                 self._changed()
@@ -157,6 +206,12 @@ class Supervisor:
             self.slots.kill_now()
             self.exit_code = ExitCode.FAILURE
         finally:
+            for service in self.services:
+                service.stop(timeout=BROKER_TIMEOUT)
+            if self.metrics_server is not None:
+                self.metrics_server.stop()
+            with contextlib.suppress(OSError):
+                self.health_file.unlink()
             self.link.close(timeout=BROKER_TIMEOUT)
             self.signals.restore()
             self.loop.close()
@@ -164,8 +219,87 @@ class Supervisor:
         log.info("workhorse %s stopped", self.hostname)
         return self.exit_code
 
+    @contextlib.contextmanager
+    def _may_fork(self) -> Iterator[bool]:
+        """Fork only while neither the broker thread nor a service thread is mid-call."""
+        with contextlib.ExitStack() as stack:
+            free = stack.enter_context(self.link.parked())
+            for service in self.services:
+                free = stack.enter_context(service.parked()) and free
+            yield free
+
+    def _held_by_stage(self) -> dict[str, int]:
+        """Read on the metrics thread: lengths only, a gauge's worth."""
+        h = self.holding
+        return {"buffered": len(h.buffer) + len(h.inbox), "scheduled": len(h.scheduled),
+                "running": len(h.running) + len(h.acking), "storing": len(h.storing)}
+
+    def _lag(self, due: float) -> None:
+        """Every LAG_INTERVAL: how late the loop ran this timer."""
+        now = self.system.monotonic()
+        assert self.metrics is not None
+        self.metrics.loop_lag = max(0.0, now - due)
+        if self.phase is not Phase.STOPPED:
+            self.loop.call_at(now + LAG_INTERVAL, lambda: self._lag(now + LAG_INTERVAL))
+
+    def _load(self) -> tuple[int, int]:
+        """(running, finished) for worker heartbeats (read on the events thread: a gauge)."""
+        return len(self.holding.running), self.processed
+
+    def _worker_view(self) -> WorkerView:
+        """What ``inspect`` replies are made of (loop thread; the control thread asks)."""
+        s = self.settings
+        now, wall = self.system.monotonic(), time.time()
+        running = {id(child.job): child for child in self.slots.children() if child.job}
+        by_stage: dict[Stage, list[TaskInfo]] = {Stage.RUNNING: [], Stage.BUFFERED: [],
+                                                 Stage.SCHEDULED: []}
+        for delivery in self.holding.all():
+            stage = Stage.RUNNING if delivery.stage is Stage.ACKING else delivery.stage
+            if stage in by_stage:
+                by_stage[stage].append(_task_info(delivery, running.get(id(delivery)),
+                                                  now, wall))
+        return WorkerView(
+            hostname=self.hostname, pid=os.getpid(), uptime=now - self.started_at,
+            tasks=sorted(self.app.tasks), queues=list(self.link.queues),
+            active=by_stage[Stage.RUNNING], reserved=by_stage[Stage.BUFFERED],
+            scheduled=by_stage[Stage.SCHEDULED], totals=dict(self.totals),
+            concurrency=self.slots.size, child_pids=[c.pid for c in self.slots.children()],
+            max_tasks_per_child=s.max_tasks_per_child,
+            time_limits=(s.soft_time_limit, s.time_limit), prefetch_count=self.holding.window,
+            broker=redact(s.broker_url), revoked=self.intake.revoked.ids(),
+            settings={name: (redact(v) if isinstance(v, str) else v)
+                      for name, v in s.as_dict().items()})
+
+    def _serve_metrics(self) -> None:
+        if self.metrics_server is None:
+            return
+        try:
+            self.metrics_server.start()
+        except OSError as exc:
+            # Tasks matter more than their metrics: run on, saying so loudly.
+            log.error("metrics: cannot serve on %s:%d (%s); running without metrics",
+                      self.metrics_server.bind, self.metrics_server.port, exc)
+            return
+        due = self.system.monotonic() + LAG_INTERVAL
+        self.loop.call_at(due, lambda: self._lag(due))
+
+    def _write_health(self) -> None:
+        """Every HEALTH_INTERVAL, from the loop: ``workhorse health`` reads it."""
+        try:
+            write_health(self.health_file, phase=self.phase.value,
+                         broker_thread=self.link.healthy(), connected=self.link.connected,
+                         broker=self.link.describe())
+            self._health_failed = False
+        except OSError as exc:
+            if not self._health_failed:     # once, not every two seconds
+                log.warning("cannot write the health file %s (%s); workhorse health will "
+                            "report this worker unhealthy", self.health_file, exc)
+            self._health_failed = True
+
     def _start_timers(self) -> None:
         s = self.settings
+        self._write_health()
+        self._every(HEALTH_INTERVAL, self._write_health)
         if s.max_memory_per_child:
             self._every(IDLE_MEMORY_CHECK, self.slots.check_idle_memory)
         self._every(self.leases.interval, self.leases.renew)
@@ -205,7 +339,9 @@ class Supervisor:
         self.holding.inbox.append((queue, message, deliveries))
 
     def _connected(self) -> None:
-        log.info("ready: consuming %s", ", ".join(self.settings.queues))
+        if self.metrics is not None:
+            self.metrics.broker_connections += 1
+        log.info("ready: consuming %s", ", ".join(self.link.queues))
         self.leases.renew()         # before the new connection's sweep can take our leases
         self._changed()
 
@@ -247,6 +383,11 @@ class Supervisor:
     # ------------------------------------------------------------------ pool events
     def job_done(self, delivery: Delivery, done: Done) -> None:
         delivery.claim = None       # the child ended it
+        delivery.done = done
+        self.totals[delivery.request.task] += 1
+        self.processed += 1
+        if self.metrics is not None and done.runtime is not None:
+            self.metrics.ran(delivery.request.task, done.runtime)
         outcome = Outcome(done.outcome)
         if outcome is Outcome.NOT_RUN or (outcome is Outcome.CLAIMED_ELSEWHERE
                                           and not delivery.acked):
@@ -313,7 +454,10 @@ class Supervisor:
             log.warning("  %s", line)
 
     def handle_usr2(self) -> None:
-        log.info("SIGUSR2 received: workhorse gives it no meaning; ignored")
+        if reopen_logfile():
+            log.info("SIGUSR2: log file opened again")
+        else:
+            log.info("SIGUSR2 received: there is no log file to open again; ignored")
 
     def handle_tstp(self) -> None:
         log.info("SIGTSTP received: a supervisor does not stop with its terminal; ignored "
@@ -346,9 +490,28 @@ class Supervisor:
             if not delivery.acked:
                 self.settlement.give_back(delivery.queue, delivery.message, delivery.label)
         self.slots.stop_idle()
+        deadline = self.system.monotonic() + self.settings.graceful_timeout
         self.loop.call_later(self.settings.graceful_timeout,
                              lambda: self.cold_shutdown("graceful_timeout passed"))
+        self._stopping_status(deadline)
         self._maybe_stopped()
+
+    def _stopping_status(self, deadline: float) -> None:
+        """While stopping, every STOP_STATUS_INTERVAL: say how it goes (STATUS=), and ask
+        systemd for more time (EXTEND_TIMEOUT_USEC), so a graceful_timeout longer than the
+        unit's TimeoutStopSec is waited out, not cut short by SIGKILL. systemd's limit
+        applies again once the supervisor stops asking: when it is stuck, or stopped."""
+        if self.phase not in (Phase.WARM, Phase.COLD):
+            return
+        left = max(0.0, deadline - self.system.monotonic())
+        h = self.holding
+        status = (f"{self.phase.value}: {self.slots.running} running"
+                  + (f", {len(h.storing)} storing results" if h.storing else "")
+                  + (f"; killed in {left:.0f} s if still running" if self.phase is Phase.WARM
+                     else ""))
+        systemd.notify(f"EXTEND_TIMEOUT_USEC={int(STOP_STATUS_INTERVAL * 3 * 1e6)}\n"
+                       f"STATUS={status}")
+        self.loop.call_later(STOP_STATUS_INTERVAL, lambda: self._stopping_status(deadline))
 
     def cold_shutdown(self, why: str) -> None:
         if self.phase in (Phase.COLD, Phase.STOPPED):
@@ -375,17 +538,23 @@ def _log_banner(current: Current, window: int) -> None:
     s = current.settings
     log.info("workhorse %s: %d children, prefetch window %d, queues %s",
              s.hostname, s.concurrency, window, ", ".join(s.queues))
-    log.info("broker: %s", _redact(s.broker_url))
-    log.info("results: %s", _redact(s.result_backend))
+    log.info("broker: %s", redact(s.broker_url))
+    log.info("results: %s", redact(s.result_backend))
     log.info("state directory: %s", s.state_dir)
     log.info("tasks: %s", ", ".join(sorted(current.app.tasks)) or "(none registered)")
 
 
-def _redact(url: str) -> str:
-    """Hide a password in a URL before logging it."""
-    if "://" not in url or "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    credentials, _, host = rest.rpartition("@")
-    user = credentials.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
+def _task_info(delivery: Delivery, child: object, now: float, wall: float) -> TaskInfo:
+    headers = delivery.request.headers
+    info = delivery.message.delivery_info or {}
+    started = getattr(child, "job_started_at", None)
+    eta = delivery.request.eta
+    return TaskInfo(
+        id=delivery.request.id, name=delivery.request.task,
+        args=str(headers.get("argsrepr") or ""), kwargs=str(headers.get("kwargsrepr") or ""),
+        queue=delivery.queue, redelivered=bool(info.get("redelivered")),
+        priority=(delivery.message.properties or {}).get("priority"),
+        acknowledged=delivery.acked,
+        time_start=wall - (now - started) if started is not None else None,
+        worker_pid=getattr(child, "pid", None),
+        eta=eta.isoformat() if eta else None)

@@ -38,8 +38,8 @@ class ProcessHandle(Protocol):
     def receive(self) -> list[object]: ...
     @property
     def at_eof(self) -> bool: ...
-    def kill_tree(self) -> None:
-        """SIGKILL the process and everything it started."""
+    def kill_tree(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` (SIGKILL) to the process and everything it started."""
     def kill_group(self) -> None:
         """SIGKILL what is left of its process group once it has exited, not yet reaped."""
     def close(self) -> None: ...
@@ -166,6 +166,16 @@ class Child:
         self.handle.kill_tree()
         if self.state is not ChildState.BUSY:
             self.state = ChildState.STOPPING
+
+    def terminate(self, reason: Any, detail: str, sig: int) -> None:
+        """Send ``sig`` to the busy child and everything it started (a revoke with
+        terminate); if it dies of it, its job is settled as ``reason``. One that survives
+        it is killed once its job is over, or sooner: see ``Slots.terminate``."""
+        self._expect(ChildState.BUSY)
+        if self.kill_reason is None and self.kill_detail is None:
+            self.kill_reason = reason
+            self.kill_detail = detail
+        self.handle.kill_tree(sig)
 
     def on_exit(self, code: int) -> Any:
         """The process is gone; return the job it held, if any."""

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..canvas import signature
-from ..chains import fail_chain
-from ..chords import call_errbacks, chord_part_return
+from ..chords import call_errbacks, chord_part_return, fail_chain
 from ..exceptions import (
     Ignore,
     MalformedMessage,
@@ -44,6 +43,9 @@ log = logging.getLogger("workhorse.child")
 class Finished:
     outcome: Outcome
     detail: str | None = None
+    runtime: float | None = None
+    result: str | None = None       # for task events: the return value's repr
+    traceback: str | None = None    # for task events: a failure's traceback
 
 
 class TaskExecution:
@@ -214,8 +216,10 @@ class TaskExecution:
             except ResultEncodeError as exc:
                 log.error("Task %s returned a value that cannot be stored: %s", self.label, exc)
                 return self._failed(exc, None, runtime)
-        log.info("Task %s succeeded in %.3fs: %.200s", self.label, runtime, safe_repr(retval))
-        return self._continue(retval) or Finished(Outcome.SUCCEEDED)
+        shown = safe_repr(retval)
+        log.info("Task %s succeeded in %.3fs: %.200s", self.label, runtime, shown)
+        return self._continue(retval) or Finished(
+            Outcome.SUCCEEDED, runtime=runtime, result=shown if self.job.events else None)
 
     def _continue(self, retval: Any) -> Finished | None:
         """Send a success's continuations (link callbacks, the chain's next step, its chord
@@ -238,10 +242,11 @@ class TaskExecution:
                   described, tb or "")
         if self.store:
             self._store_failure(exc, tb)
-        fail_chain(self.app, self.context.chain, exc, tb)
+        fail_chain(self.app, self.context.chain, exc, tb, inline_errbacks=True)
         self._call_errbacks(exc, tb)
         self._chord_part(FAILURE, exc)
-        return Finished(Outcome.FAILED, described)
+        return Finished(Outcome.FAILED, described, runtime=runtime,
+                        traceback=tb if self.job.events else None)
 
     def _retried(self, signal: Retry) -> Finished:
         try:

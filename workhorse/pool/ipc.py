@@ -45,6 +45,8 @@ class Job:
     claim_ttl: float = 0.0
     #: The message's properties (correlation_id, reply_to, priority, ...): request.properties.
     properties: dict[str, Any] = field(default_factory=dict)
+    #: Task events are on: Done carries the result's repr or the traceback for them.
+    events: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class Done:
     outcome: str           # an Outcome value
     detail: str | None = None
     rss: int = 0           # the child's resident set size in bytes, measured after the task
+    runtime: float | None = None    # seconds the task body ran, if it ran
+    result: str | None = None       # events on: the return value's repr
+    traceback: str | None = None    # events on: a failure's traceback
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import psutil
 import setproctitle
 from billiard.util import set_pdeathsig
 
+from ..logs import reopen_logfile
 from .execute import TaskExecution
 from .ipc import MAX_DETAIL, Done, Hello, Job, Stop, read_frame, write_frame
 from .limits import SOFT_LIMIT_SIGNAL, SoftLimit, signals_blocked
@@ -83,6 +84,9 @@ class ChildRuntime:
                 except OSError:
                     pass
         os.close(devnull)
+        # A log file the supervisor opened again (SIGUSR2) is one of its own descriptors,
+        # just sent to /dev/null: this child opens it anew.
+        reopen_logfile()
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU):
             signal.signal(sig, signal.SIG_IGN)
@@ -162,7 +166,9 @@ class ChildRuntime:
         self.set_title(f"running {self.current}")
         finished = execution.run()
         detail = None if finished.detail is None else finished.detail[:MAX_DETAIL]
-        return Done(os.getpid(), job.seq, finished.outcome.value, detail, self.rss())
+        return Done(os.getpid(), job.seq, finished.outcome.value, detail, self.rss(),
+                    finished.runtime, finished.result and finished.result[:MAX_DETAIL],
+                    finished.traceback and finished.traceback[:MAX_DETAIL])
 
     def rss(self) -> int:
         """This child's resident set size in bytes (0 if it cannot be read)."""

@@ -47,8 +47,8 @@ class ForkedProcess:
     def send(self, frame: object) -> None:
         write_frame(self.write_fd, frame)
 
-    def kill_tree(self) -> None:
-        kill_tree(self.pid, signal.SIGKILL)
+    def kill_tree(self, sig: int = signal.SIGKILL) -> None:
+        kill_tree(self.pid, sig)
 
     def kill_group(self) -> None:
         kill_group(self.pid)

@@ -54,35 +54,61 @@ wall-clock times: the hosts' clocks must agree to well within visibility_timeout
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from time import monotonic, time
 from typing import Any
 
 from kombu.transport import redis, virtual
 from kombu.utils.json import dumps, loads
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
 
 from ..protocol import dead_letter_queue
 from . import unreadable
 
 log = logging.getLogger("workhorse.transport.redis")
 
-# KEYS: unacked_index, unacked, delivery_counts. ARGV: tag, score. Remove the entry (and the
-# message's delivery count) if the score is ours.
-_FORGET_IF_OURS = """
-local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if score and tonumber(score) == tonumber(ARGV[2]) then
-    redis.call('ZREM', KEYS[1], ARGV[1])
-    redis.call('HDEL', KEYS[2], ARGV[1])
-    redis.call('HDEL', KEYS[3], ARGV[1])
-    return 1
+
+class Script:
+    """A Lua script run by its SHA1 (``EVALSHA``: its text is not sent, nor hashed by
+    the server, on every call), sent whole once when the server does not know it yet."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.sha = hashlib.sha1(text.encode()).hexdigest()
+
+    def __call__(self, client: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:       # a restarted or flushed server: load it again
+            return client.eval(self.text, len(keys), *keys, *args)
+
+
+# KEYS: unacked_index, unacked, delivery_counts. ARGV: (tag, score) pairs. For each pair,
+# remove the entry (and the message's delivery count) if the score is ours. Returns the
+# tags whose score was not ours (their lease was lost).
+_FORGET_IF_OURS = Script("""
+local lost = {}
+for i = 1, #ARGV, 2 do
+    local score = redis.call('ZSCORE', KEYS[1], ARGV[i])
+    if score and tonumber(score) == tonumber(ARGV[i + 1]) then
+        redis.call('ZREM', KEYS[1], ARGV[i])
+        redis.call('HDEL', KEYS[2], ARGV[i])
+        redis.call('HDEL', KEYS[3], ARGV[i])
+    else
+        table.insert(lost, ARGV[i])
+    end
 end
-return 0
-"""
+return lost
+""")
 # A lease lost by a live worker: take back the delivery its take counted, unless the lease
 # is still ours after all, or the message is gone (acked elsewhere: its count with it).
 # KEYS: unacked_index, delivery_counts. ARGV: tag, our score ('' once we know it is lost).
-_UNCOUNT_LOST = """
+_UNCOUNT_LOST = Script("""
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if score and ARGV[2] ~= '' and tonumber(score) == tonumber(ARGV[2]) then
     return 0
@@ -92,21 +118,32 @@ if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
     return 1
 end
 return 0
-"""
-# Take the next message off the first non-empty list, record it as unacked and count the
-# delivery, in one step. KEYS: unacked_index, unacked, delivery_counts, then the lists in
-# order. ARGV: the score. Returns {position of the list, message, delivery count, delivery
-# tag}, or nil. An entry that is not kombu's JSON with a delivery tag cannot be acked or
-# put back: it is left in place, and returned with its list's position negated.
-_TAKE = """
-for i = 4, #KEYS do
+""")
+# Take up to ARGV[2] messages off the lists, in order (a list is emptied before the next is
+# read), each recorded as unacked and its delivery counted, in one step. KEYS:
+# unacked_index, unacked, delivery_counts, then the lists in order. ARGV: the score, the
+# limit. Returns {position of the list, message, delivery count, delivery tag} for each,
+# flattened. An entry that is not kombu's JSON with a delivery tag cannot be acked or put
+# back: it is left in place, and returned last, with its list's position negated.
+_TAKE = Script("""
+local out = {}
+local limit = tonumber(ARGV[2])
+local taken = 0
+local i = 4
+while i <= #KEYS and taken < limit do
     local payload = redis.call('LINDEX', KEYS[i], -1)
-    if payload then
+    if not payload then
+        i = i + 1
+    else
         local ok, message = pcall(cjson.decode, payload)
         local props = ok and type(message) == 'table' and message['properties']
         local tag = type(props) == 'table' and props['delivery_tag']
         if type(tag) ~= 'string' then
-            return {3 - i, payload}
+            table.insert(out, 3 - i)
+            table.insert(out, payload)
+            table.insert(out, 0)
+            table.insert(out, '')
+            return out
         end
         redis.call('RPOP', KEYS[i])
         local info = props['delivery_info']
@@ -118,25 +155,29 @@ for i = 4, #KEYS do
         redis.call('HSET', KEYS[2], tag, '[' .. payload .. ',' .. cjson.encode(exchange)
                    .. ',' .. cjson.encode(routing_key) .. ']')
         local count = redis.call('HINCRBY', KEYS[3], tag, 1)
-        return {i - 3, payload, count, tag}
+        table.insert(out, i - 3)
+        table.insert(out, payload)
+        table.insert(out, count)
+        table.insert(out, tag)
+        taken = taken + 1
     end
 end
-return nil
-"""
+return out
+""")
 # Replace an unreadable entry, still next in its list, by its envelope in the dead-letter
 # list. KEYS: the list, the dead-letter list. ARGV: the entry, its envelope.
-_BURY_NEXT = """
+_BURY_NEXT = Script("""
 if redis.call('LINDEX', KEYS[1], -1) == ARGV[1] then
     redis.call('RPOP', KEYS[1])
     redis.call('LPUSH', KEYS[2], ARGV[2])
     return 1
 end
 return 0
-"""
+""")
 # Replace a taken message Python cannot read by its envelope, while the lease is ours.
 # KEYS: unacked_index, unacked, delivery_counts, the dead-letter list. ARGV: tag, our
 # score, the envelope.
-_BURY_TAKEN = """
+_BURY_TAKEN = Script("""
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if score and tonumber(score) == tonumber(ARGV[2]) then
     redis.call('ZREM', KEYS[1], ARGV[1])
@@ -146,9 +187,9 @@ if score and tonumber(score) == tonumber(ARGV[2]) then
     return 1
 end
 return 0
-"""
+""")
 # KEYS: unacked_index. ARGV: new score, then (tag, our score) pairs. Returns the lost tags.
-_RENEW_IF_OURS = """
+_RENEW_IF_OURS = Script("""
 local lost = {}
 for i = 2, #ARGV, 2 do
     local score = redis.call('ZSCORE', KEYS[1], ARGV[i])
@@ -159,7 +200,7 @@ for i = 2, #ARGV, 2 do
     end
 end
 return lost
-"""
+""")
 
 
 class QoS(redis.QoS):
@@ -219,16 +260,21 @@ class QoS(redis.QoS):
             del self._unrecorded[tag]
 
     def ack(self, delivery_tag: str) -> None:
-        self._forget_if_ours(delivery_tag)
-        self._scores.pop(delivery_tag, None)
-        self._counted.discard(delivery_tag)
-        virtual.QoS.ack(self, delivery_tag)
+        self.ack_many((delivery_tag,))
+
+    def ack_many(self, tags: Sequence[str]) -> None:
+        """Ack several messages in one round trip (the broker thread's acks of one turn)."""
+        self._forget_if_ours(tags)
+        for tag in tags:
+            self._scores.pop(tag, None)
+            self._counted.discard(tag)
+            virtual.QoS.ack(self, tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         if requeue:       # a clean hand-back: not a delivery that counts
             self.restore_by_tag(delivery_tag, leftmost=True, uncount=True)
         else:
-            self._forget_if_ours(delivery_tag)
+            self._forget_if_ours((delivery_tag,))
         self._scores.pop(delivery_tag, None)
         self._counted.discard(delivery_tag)
         virtual.QoS.ack(self, delivery_tag)
@@ -243,10 +289,9 @@ class QoS(redis.QoS):
         virtual.QoS.ack(self, delivery_tag)
 
     def _uncount_lost(self, tag: str, score: float | None) -> None:
-        with self.channel.conn_or_acquire() as client:
-            client.eval(_UNCOUNT_LOST, 2, self.unacked_index_key,
-                        self.channel.delivery_counts_key, tag,
-                        "" if score is None else repr(score))
+        self.channel.run(_UNCOUNT_LOST, (self.unacked_index_key,
+                                         self.channel.delivery_counts_key),
+                         (tag, "" if score is None else repr(score)))
 
     def restore_unacked(self, client: Any = None) -> None:
         """On close: what is still held goes back, counted (it was not settled)."""
@@ -323,19 +368,27 @@ class QoS(redis.QoS):
                 self.channel.foreign_visibility_timeout)
         return True
 
-    def _forget_if_ours(self, tag: str) -> None:
+    def _forget_if_ours(self, tags: Sequence[str]) -> None:
+        """Remove the leases of ``tags`` (and their delivery counts) where they are still
+        ours, in one round trip; a lease lost meanwhile is left to its new holder."""
         self._record_late()           # (an unrecorded lease is written, then removed)
-        if tag not in self._scores:   # not delivered through this QoS: kombu's removal
-            self._remove_from_indices(tag).hdel(self.channel.delivery_counts_key, tag).execute()
-            return
-        score = self._scores[tag]
-        removed = 0
-        if score is not None:
-            with self.channel.conn_or_acquire() as client:
-                removed = client.eval(_FORGET_IF_OURS, 3, self.unacked_index_key,
-                                      self.unacked_key, self.channel.delivery_counts_key,
-                                      tag, repr(score))
-        if not removed:
+        args: list[str] = []
+        lost: list[str] = []
+        for tag in tags:
+            if tag not in self._scores:   # not delivered through this QoS: kombu's removal
+                self._remove_from_indices(tag).hdel(
+                    self.channel.delivery_counts_key, tag).execute()
+                continue
+            score = self._scores[tag]
+            if score is None:
+                lost.append(tag)
+            else:
+                args += (tag, repr(score))
+        if args:
+            lost += [t.decode() if isinstance(t, bytes) else t for t in self.channel.run(
+                _FORGET_IF_OURS, (self.unacked_index_key, self.unacked_key,
+                                  self.channel.delivery_counts_key), args)]
+        for tag in lost:
             log.warning("message %s: lease lost before it was settled; the copy now delivered "
                         "elsewhere is left alone", tag)
 
@@ -350,9 +403,8 @@ class QoS(redis.QoS):
             args: list[Any] = [repr(now)]
             for tag, score in held:
                 args += [tag, repr(score)]
-            with self.channel.conn_or_acquire() as client:
-                gone = {t.decode() if isinstance(t, bytes) else t
-                        for t in client.eval(_RENEW_IF_OURS, 1, self.unacked_index_key, *args)}
+            gone = {t.decode() if isinstance(t, bytes) else t
+                    for t in self.channel.run(_RENEW_IF_OURS, (self.unacked_index_key,), args)}
             for tag, _ in held:
                 self._scores[tag] = None if tag in gone else now
             lost |= gone
@@ -392,37 +444,113 @@ class Channel(redis.Channel):
         queues = list(queues)
         return [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
 
-    def take(self) -> bool:
-        """Take the next message from the queues consumed here, recorded as unacked in the
-        same step, and deliver it to its consumer. False when they are all empty."""
+    #: At most this many messages per take (one round trip), whatever the room.
+    MAX_TAKE = 64
+
+    _sync_client: Any = None
+    _direct: Any = None
+    _direct_pool: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._direct_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def run(self, script: Script, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """Run one of our scripts on a connection of the channel's own, outside kombu's
+        pool: a pooled call costs three more system calls (a pid check, a non-blocking
+        read to see the connection is clean, two mode switches) and most of the CPU of a
+        round trip. A connection the server closed meanwhile (a restart) is found out by
+        the call, dropped, and the call made once more on a new one, as redis-py's
+        client retries a call after a connection error. (A reply lost after the script
+        ran: the scripts act only on leases still ours and entries still there, so a
+        second run finds nothing more to do; a take's leases whose reply was lost are
+        swept back, counted.)"""
+        with self._direct_lock:
+            try:
+                return self._run_once(script, keys, args)
+            except RedisConnectionError:
+                return self._run_once(script, keys, args)
+
+    def _run_once(self, script: Script, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        pool = self.pool
+        connection = self._direct
+        if connection is None or self._direct_pool is not pool:
+            connection = self._direct = pool.connection_class(**pool.connection_kwargs)
+            self._direct_pool = pool
+        try:
+            connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            try:
+                return connection.read_response()
+            except NoScriptError:     # a restarted or flushed server: load it again
+                connection.send_command("EVAL", script.text, len(keys), *keys, *args)
+                return connection.read_response()
+        except ResponseError:
+            raise                     # an answer: the connection is in step
+        except BaseException:
+            connection.disconnect()
+            raise
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self._direct is not None:
+                self._direct.disconnect()
+
+    @contextlib.contextmanager
+    def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
+        """kombu builds a new ``redis.Redis`` for every call made without a client (a fifth
+        of the supervisor's time once); one per pool does, and is safe across threads."""
+        if client:
+            yield client
+            return
+        cached = self._sync_client
+        if cached is None or cached.connection_pool is not self.pool:
+            cached = self._sync_client = self._create_client()
+        yield cached
+
+    def take(self, limit: int = 1) -> bool:
+        """Take up to ``limit`` messages from the queues consumed here (in their order,
+        each list emptied before the next), each recorded as unacked in the same step, and
+        deliver them to their consumers. False when the queues are all empty."""
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return False
         keys = self.list_keys(queues)
         score = time()
-        with self.conn_or_acquire() as client:
-            reply = client.eval(_TAKE, 3 + len(keys), self.unacked_index_key,
-                                self.unacked_key, self.delivery_counts_key, *keys, repr(score))
-        if reply is None:
+        reply = self.run(_TAKE, (self.unacked_index_key, self.unacked_key,
+                                 self.delivery_counts_key, *keys),
+                         (repr(score), max(1, min(limit, self.MAX_TAKE))))
+        if not reply:
             return False
-        position, payload = reply[0], reply[1]
-        if position < 0:
-            self._bury_next(keys[-position - 1], payload)
-            return True
-        queue = self._queue_of(keys[position - 1])
-        self._queue_cycle.rotate(queue)
-        message, why = unreadable.read(payload, tagged=True)
-        if message is None:
-            tag = reply[3].decode() if isinstance(reply[3], bytes) else reply[3]
-            self._bury_taken(queue, tag, score, payload, why or "")
-            return True
-        properties = message["properties"]
-        info = properties.get("delivery_info")
-        if not isinstance(info, dict):
-            info = properties["delivery_info"] = {}
-        info["delivery_count"] = int(reply[2])
-        self.qos._taken[properties["delivery_tag"]] = score
-        self.connection._deliver(message, queue)
+        unreadable_next: tuple[str, bytes] | None = None
+        taken: list[tuple[str, Any, int, str]] = []
+        for n in range(0, len(reply), 4):
+            position, payload, count, tag = reply[n:n + 4]
+            if position < 0:
+                unreadable_next = (keys[-position - 1], payload)
+            else:
+                taken.append((self._queue_of(keys[position - 1]), payload, count,
+                              tag.decode() if isinstance(tag, bytes) else tag))
+        if taken:
+            self._queue_cycle.rotate(taken[-1][0])
+        unreadable_taken = []
+        for queue, payload, count, tag in taken:    # delivered first, buried after
+            message, why = unreadable.read(payload, tagged=True)
+            if message is None:
+                unreadable_taken.append((queue, tag, payload, why or ""))
+                continue
+            properties = message["properties"]
+            info = properties.get("delivery_info")
+            if not isinstance(info, dict):
+                info = properties["delivery_info"] = {}
+            info["delivery_count"] = int(count)
+            self.qos._taken[properties["delivery_tag"]] = score
+            self.connection._deliver(message, queue)
+        for queue, tag, payload, why in unreadable_taken:
+            self._bury_taken(queue, tag, score, payload, why)
+        if unreadable_next is not None:
+            self._bury_next(*unreadable_next)
         return True
 
     def _queue_of(self, key: str) -> str:
@@ -433,9 +561,8 @@ class Channel(redis.Channel):
         queue = self._queue_of(key)
         _, why = unreadable.read(payload, tagged=True)
         dead = dead_letter_queue(queue)
-        with self.conn_or_acquire() as client:
-            buried = client.eval(_BURY_NEXT, 2, key, dead, payload,
-                                 unreadable.envelope(payload, why or "", queue))
+        buried = self.run(_BURY_NEXT, (key, dead),
+                          (payload, unreadable.envelope(payload, why or "", queue)))
         if buried:     # (else another worker took it first)
             log.error("an unreadable entry on %s (%s) was dead-lettered to %s in an "
                       "envelope: %.200r", queue, why, dead, payload)
@@ -444,10 +571,9 @@ class Channel(redis.Channel):
                     why: str) -> None:
         """Dead-letter a message taken but unreadable here, in its envelope."""
         dead = dead_letter_queue(queue)
-        with self.conn_or_acquire() as client:
-            buried = client.eval(_BURY_TAKEN, 4, self.unacked_index_key, self.unacked_key,
-                                 self.delivery_counts_key, dead, tag, repr(score),
-                                 unreadable.envelope(payload, why, queue))
+        buried = self.run(_BURY_TAKEN, (self.unacked_index_key, self.unacked_key,
+                                        self.delivery_counts_key, dead),
+                          (tag, repr(score), unreadable.envelope(payload, why, queue)))
         if buried:     # (else the lease was lost already: whoever holds it now decides)
             log.error("an unreadable message on %s (%s) was dead-lettered to %s in an "
                       "envelope: %.200r", queue, why, dead, payload)

@@ -26,7 +26,9 @@ Routing: publishing to the anonymous exchange ``""`` puts the message straight i
 queue named by the routing key (what Celery and workhorse do by default). Bindings made by
 ``queue_bind`` are stored in the file, so direct, topic and fanout routing work across
 processes; an exchange's *type* is known only to processes that declared it (others treat
-it as direct).
+it as direct). A fanout exchange puts a copy in each bound queue: remote control's
+broadcasts. A worker's mailbox queue outlives the worker (no expiry in the file); the
+worker purges it when it starts, so it never answers commands sent while it was down.
 
 Broker faults (disk full, a read-only file, I/O errors, a write lock held too long) are
 raised as ``BrokerFileError``, one of the transport's ``connection_errors``: consumers
@@ -48,6 +50,7 @@ from kombu.utils.json import dumps
 from ..protocol import dead_letter_queue
 from . import unreadable
 from .store import BrokerFileError, Store, parse_tag
+from .wake import Notifier
 
 log = logging.getLogger("workhorse.transport.sqlite")
 
@@ -68,9 +71,16 @@ class QoS(virtual.QoS):
         self.channel.store.ack(parse_tag(delivery_tag))
         super().ack(delivery_tag)
 
+    def ack_many(self, tags: list[str]) -> None:
+        """Ack several in one transaction (the broker thread's acks of one turn)."""
+        self.channel.store.ack_many([parse_tag(tag) for tag in tags])
+        for tag in tags:
+            super().ack(tag)
+
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         if requeue:       # a clean hand-back: not a delivery that counts
             self.channel.store.release([parse_tag(delivery_tag)], uncount=True)
+            self.channel.connection.wake.notify()
         else:
             self.channel.store.ack(parse_tag(delivery_tag))
         self._quick_ack(delivery_tag)
@@ -88,12 +98,16 @@ class QoS(virtual.QoS):
         self._delivered.clear()
         if tags:
             self.channel.store.release(parse_tag(tag) for tag in tags)
+            self.channel.connection.wake.notify()
         return []
 
 
 class Channel(virtual.Channel):
     QoS = QoS
     do_restore = True
+    #: A fanout exchange (Celery's broadcast mailbox, ``celery.pidbox``) puts a copy in
+    #: every queue bound to it, bindings being stored in the file.
+    supports_fanout = True
 
     @property
     def store(self) -> Store:
@@ -108,6 +122,7 @@ class Channel(virtual.Channel):
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         priority = (message.get("properties") or {}).get("priority") or 0
         self.store.put(queue, dumps(message), int(priority))
+        self.connection.wake.notify()
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         while True:
@@ -117,8 +132,41 @@ class Channel(virtual.Channel):
             ident, token, payload, deliveries = leased
             message, why = unreadable.read(payload, tagged=False)
             if message is not None:
-                break
+                return self._leased(message, ident, token, deliveries)
             self._bury(queue, (ident, token), payload, why or "")
+
+    #: At most this many messages per take (one transaction), whatever the room.
+    MAX_TAKE = 64
+    _rotation = 0
+
+    def take(self, limit: int = 1) -> bool:
+        """Lease up to ``limit`` messages from the queues consumed here in one transaction
+        (the queues in turn, each emptied before the next) and deliver them all to their
+        consumers at once, so none waits here unseen. False when there was none."""
+        queues = list(self._active_queues)
+        if not queues or limit <= 0:
+            return False
+        start = self._rotation % len(queues)
+        taken = self.store.lease_many(queues[start:] + queues[:start], self.visibility_timeout,
+                                      min(limit, self.MAX_TAKE))
+        if not taken:
+            return False
+        self._rotation = queues.index(taken[-1][0]) + 1 if taken[-1][0] in queues else 0
+        unreadable_taken = []
+        for queue, ident, token, payload, deliveries in taken:   # delivered first, buried after
+            message, why = unreadable.read(payload, tagged=False)
+            if message is None:
+                unreadable_taken.append((queue, (ident, token), payload, why or ""))
+            else:
+                self.connection._deliver(self._leased(message, ident, token, deliveries),
+                                         queue)
+        for queue, lease, payload, why in unreadable_taken:
+            self._bury(queue, lease, payload, why)
+        return True
+
+    def _leased(self, message: dict[str, Any], ident: int, token: str,
+                deliveries: int) -> dict[str, Any]:
+        """The raw message as kombu delivers it: the lease as its tag, the count."""
         properties = message["properties"]
         properties["delivery_tag"] = f"{ident}:{token}"
         info = properties.get("delivery_info")
@@ -163,16 +211,18 @@ class Channel(virtual.Channel):
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
         self.store.delete_queue(queue)
 
-    def queue_bind(self, queue: str, exchange: str | None = None, routing_key: str = "",
-                   arguments: Any = None, **kwargs: Any) -> None:
-        exchange = exchange or "amq.direct"
-        super().queue_bind(queue, exchange, routing_key, arguments, **kwargs)
-        routing, pattern, _ = self.typeof(exchange).prepare_bind(
-            queue, exchange, routing_key, arguments)
-        self.store.bind(exchange, routing, pattern or "", queue)
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: str | None,
+                    queue: str) -> None:
+        """kombu's ``queue_bind`` calls this (``supports_fanout``): stored in the file."""
+        self.store.bind(exchange, routing_key, pattern or "", queue)
 
     def get_table(self, exchange: str) -> list[tuple[str, str, str]]:
         return self.store.bindings(exchange)
+
+    def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
+                    **kwargs: Any) -> None:
+        for queue in sorted({queue for _, _, queue in self.get_table(exchange)}):
+            self._put(queue, message)
 
     def close(self) -> None:
         super().close()
@@ -192,6 +242,8 @@ class Transport(virtual.Transport):
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
         self.store = Store(path_from_url(client.virtual_host))
+        #: Tells the workers consuming this file that a message is there (wake.py).
+        self.wake = Notifier(self.store.path)
 
     def establish_connection(self) -> Any:
         # Open the file now: one that cannot be opened fails the connection, not later calls.
@@ -205,3 +257,4 @@ class Transport(virtual.Transport):
     def close_connection(self, connection: Any) -> None:
         super().close_connection(connection)
         self.store.close()
+        self.wake.close()

@@ -203,6 +203,35 @@ class Store:
             return None
         return int(row[0]), token, row[1], int(row[2])
 
+    def lease_many(self, queues: list[str], visibility_timeout: float,
+                   limit: int) -> list[tuple[str, int, str, str, int]]:
+        """Take up to ``limit`` available messages, from ``queues`` in order (each emptied
+        before the next), in one transaction: (queue, id, token, payload, deliveries) each,
+        in the order they are to be delivered."""
+        now = time.time()
+        taken: list[tuple[str, int, str, str, int]] = []
+        with self._session() as conn:
+            assert self._opened is not None
+            # One random token per batch; the message id makes each lease's its own.
+            batch = self._opened.prefix + secrets.token_hex(8) + "."
+            with sqlitedb.immediate(conn):
+                for queue in queues:
+                    if len(taken) >= limit:
+                        break
+                    rows = conn.execute(
+                        "UPDATE messages SET lease_until = ?, lease_token = ? || id, "
+                        "deliveries = deliveries + 1 WHERE id IN ("
+                        "  SELECT id FROM messages WHERE queue = ? AND lease_until <= ? "
+                        "  ORDER BY priority DESC, id LIMIT ?) "
+                        "RETURNING id, payload, deliveries, priority",
+                        (now + visibility_timeout, batch, queue, now,
+                         limit - len(taken))).fetchall()
+                    # (RETURNING comes in no particular order: put them back in line.)
+                    rows.sort(key=lambda row: (-(row[3] or 0), row[0]))
+                    taken += [(queue, int(ident), f"{batch}{ident}", payload, int(deliveries))
+                              for ident, payload, deliveries, _ in rows]
+        return taken
+
     def ack(self, lease: Lease) -> bool:
         """Delete the message if this lease still holds it; False if the lease was lost."""
         with self._session() as conn:
@@ -210,6 +239,16 @@ class Store:
                 return False
             cur = conn.execute("DELETE FROM messages WHERE id = ? AND lease_token = ?", lease)
             return cur.rowcount == 1
+
+    def ack_many(self, leases: Iterable[Lease]) -> int:
+        """``ack`` for several leases in one transaction (one commit, not one each);
+        returns how many were still held."""
+        with self._session() as conn:
+            live = [lease for lease in leases if not self._gone_with_old_file(lease)]
+            with sqlitedb.immediate(conn):
+                cur = conn.executemany("DELETE FROM messages WHERE id = ? AND lease_token = ?",
+                                       live)
+                return cur.rowcount
 
     def release(self, leases: Iterable[Lease], *, uncount: bool = False) -> int:
         """Make leased messages available again at once, in their old place in line.

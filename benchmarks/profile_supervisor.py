@@ -1,0 +1,145 @@
+"""Where the supervisor's time goes: a sampling profile of a worker draining no-op tasks.
+
+    pip install py-spy
+    python benchmarks/profile_supervisor.py --broker redis [--acks-early] [--results]
+
+Fills a queue, starts ``workhorse worker`` (concurrency 2, prefetch multiplier 4) on it,
+and samples the supervisor process (all its threads) with py-spy while it drains. Prints
+the supervisor's CPU per task over the sampled span and the functions holding the most
+samples, as self time and as inclusive time (a function anywhere on the stack); the raw
+collapsed stacks are kept (``--keep``) for a flame graph.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput import BROKERS, ROOT, command, drop, fill
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--broker", choices=sorted(BROKERS), default="redis")
+    parser.add_argument("--tasks", type=int, default=20000)
+    parser.add_argument("--seconds", type=int, default=6)
+    parser.add_argument("--acks-early", action="store_true", help="acks_late = false")
+    parser.add_argument("--results", action="store_true",
+                        help="store results (SQLite or Redis store, as the broker)")
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--keep", help="write the collapsed stacks here")
+    parser.add_argument("--idle", action="store_true",
+                        help="count idle samples (threads waiting in select) too")
+    parser.add_argument("--all", action="store_true",
+                        help="sample every thread, not only the one holding the GIL (the "
+                             "default shows where Python code spends CPU)")
+    args = parser.parse_args()
+    if shutil.which("py-spy") is None:
+        print("py-spy is not installed: pip install py-spy", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        url = BROKERS[args.broker] or f"sqlite:///{workdir / 'broker.sqlite3'}"
+        queue = f"prof-{uuid.uuid4().hex[:8]}"
+        counter = workdir / "count"
+        counter.touch()
+        fill(url, queue, "bench.noop", [], args.tasks)
+        results = "disabled"
+        if args.results:
+            results = ("redis://127.0.0.1:6379/4" if args.broker == "redis"
+                       else f"sqlite:///{workdir / 'results.sqlite3'}")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("WORKHORSE_")}
+        env.update(PYTHONPATH=str(ROOT), BENCH_COUNTER=str(counter), WORKHORSE_BROKER_URL=url,
+                   WORKHORSE_RESULT_BACKEND=results, WORKHORSE_STATE_DIR=str(workdir / "state"),
+                   WORKHORSE_PREFETCH_MULTIPLIER="4",
+                   WORKHORSE_ACKS_LATE="false" if args.acks_early else "true")
+        if args.results:
+            env["BENCH_RESULTS"] = results
+        log = open(workdir / "worker.log", "wb")
+        proc = subprocess.Popen(command("workhorse", queue, 2), cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 60
+            while counter.stat().st_size < 200:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    print((workdir / "worker.log").read_text(), file=sys.stderr)
+                    return 1
+                time.sleep(0.01)
+            main_proc = psutil.Process(proc.pid)
+            done0, cpu0 = counter.stat().st_size, sum(main_proc.cpu_times()[:2])
+            raw = workdir / "stacks.txt"
+            spy = ["py-spy", "record", "-p", str(proc.pid), "-d", str(args.seconds), "-r", "250",
+                   "-f", "raw", "-o", str(raw), "--nonblocking", "--threads"]
+            if args.idle:
+                spy.append("--idle")
+            if not args.all:
+                spy.append("--gil")
+            subprocess.run(spy, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            done1, cpu1 = counter.stat().st_size, sum(main_proc.cpu_times()[:2])
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            log.close()
+            drop(url, queue)
+        tasks = done1 - done0
+        if tasks >= args.tasks - 200:
+            print("warning: the queue ran dry while sampling; use more --tasks", file=sys.stderr)
+        print(f"{args.broker}, acks_{'early' if args.acks_early else 'late'}, results "
+              f"{'stored' if args.results else 'disabled'}: {tasks} tasks in the sampled span, "
+              f"supervisor CPU {(cpu1 - cpu0) / max(tasks, 1) * 1e6:.0f} µs/task "
+              "(py-spy's own sampling included)")
+        report(raw.read_text(), args.top)
+        if args.keep:
+            shutil.copy(raw, args.keep)
+    return 0
+
+
+def report(collapsed: str, top: int) -> None:
+    own: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    threads: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in collapsed.splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack:
+            continue
+        count = int(count_text)
+        frames = stack.split(";")
+        total += count
+        threads[frames[0]] += count
+        names = [_short(f) for f in frames[1:]]
+        if names:
+            own[names[-1]] += count
+        for name in set(names):
+            inclusive[name] += count
+    print(f"{total} samples; by thread: " + ", ".join(
+        f"{name} {100 * n / total:.0f}%" for name, n in threads.most_common()))
+    for title, counter in (("self", own), ("inclusive", inclusive)):
+        print(f"\n-- {title}")
+        for name, n in counter.most_common(top):
+            print(f"{100 * n / total:5.1f}%  {name}")
+
+
+def _short(frame: str) -> str:
+    """``function (path/to/file.py:123)`` -> ``function (file.py)``."""
+    name, _, where = frame.partition(" (")
+    path = where.rstrip(")").rsplit(":", 1)[0]
+    parts = Path(path).parts
+    short = "/".join(parts[-2:]) if len(parts) >= 2 else path
+    return f"{name} ({short})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""Remote control: Celery's broadcast mailbox answered by the supervisor. The replies'
+formats (pure), then a real worker on each broker asked through Celery's client and
+through ``workhorse inspect``."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+import pytest
+from kombu import Producer
+
+from workhorse.control import client as control_client
+from workhorse.control.inspect import COMMANDS, TaskInfo, WorkerView
+
+from .conftest import ROOT, wait_until, worker_env
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ---------------------------------------------------------------- replies (pure)
+def _task(task_id: str, **fields) -> TaskInfo:
+    return TaskInfo(**{"id": task_id, "name": "tasks.add", "args": "(1, 2)", "kwargs": "{}",
+                       "queue": "q", "redelivered": False, "priority": 0,
+                       "acknowledged": False, **fields})
+
+
+VIEW = WorkerView(
+    hostname="w@h", pid=10, uptime=5.5, tasks=["tasks.b", "tasks.a"], queues=["q"],
+    active=[_task("a1", time_start=100.0, worker_pid=11)], reserved=[_task("r1")],
+    scheduled=[_task("s1", eta="2026-01-01T00:00:00+00:00")], totals={"tasks.add": 3},
+    concurrency=2, child_pids=[11, 12], time_limits=(5.0, 10.0), prefetch_count=8,
+    broker="redis://h/0", settings={"broker_url": "redis://u:***@h/0"})
+
+
+def test_replies_have_celerys_shapes():
+    assert COMMANDS["ping"](VIEW) == {"ok": "pong"}
+    assert COMMANDS["registered"](VIEW) == ["tasks.a", "tasks.b"]
+    active = COMMANDS["active"](VIEW)
+    assert active == [{"id": "a1", "name": "tasks.add", "args": "(1, 2)", "kwargs": "{}",
+                       "type": "tasks.add", "hostname": "w@h", "time_start": 100.0,
+                       "acknowledged": False,
+                       "delivery_info": {"exchange": "", "routing_key": "q", "priority": 0,
+                                         "redelivered": False},
+                       "worker_pid": 11}]
+    assert [r["id"] for r in COMMANDS["reserved"](VIEW)] == ["r1"]
+    scheduled = COMMANDS["scheduled"](VIEW)
+    assert scheduled[0]["eta"] == "2026-01-01T00:00:00+00:00"
+    assert scheduled[0]["request"]["id"] == "s1"
+    assert {k: v[0] for k, v in COMMANDS["query_task"](VIEW, ids=["a1", "s1", "r1", "x"]
+                                                      ).items()} == {
+        "a1": "active", "s1": "scheduled", "r1": "reserved"}
+    assert list(COMMANDS["query_task"](VIEW, ids="r1")) == ["r1"]
+    assert [q["name"] for q in COMMANDS["active_queues"](VIEW)] == ["q"]
+    stats = COMMANDS["stats"](VIEW)
+    assert stats["total"] == {"tasks.add": 3} and stats["pool"]["processes"] == [11, 12]
+    assert stats["pool"]["max-concurrency"] == 2 and stats["pool"]["timeouts"] == [5.0, 10.0]
+    assert stats["prefetch_count"] == 8 and stats["rusage"]["utime"] >= 0
+    assert "***" in COMMANDS["conf"](VIEW)["broker_url"]
+    assert "w@h" in COMMANDS["report"](VIEW)["ok"]
+
+
+def test_command_line_arguments_are_checked():
+    assert control_client.arguments("ping", []) == {}
+    assert control_client.arguments("query_task", ["a", "b"]) == {"ids": ["a", "b"]}
+    with pytest.raises(ValueError, match="no such command: 'pong'"):
+        control_client.arguments("pong", [])
+    with pytest.raises(ValueError, match="ping takes no arguments"):
+        control_client.arguments("ping", ["x"])
+
+
+# ---------------------------------------------------------------- a real worker
+def inspect_cli(broker, tmp_path, *args):
+    env = worker_env(broker, tmp_path)
+    return subprocess.run([sys.executable, "-m", "workhorse", "inspect", *args], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def celery_app(broker):
+    celery = pytest.importorskip("celery")
+    from workhorse.transport import register
+    register()                          # sqlite:// URLs: workhorse's transport
+    app = celery.Celery("inspector", broker=broker.url)
+    app.conf.task_default_queue = broker.queue
+    return app
+
+
+def test_inspect_through_celerys_client_and_workhorses_cli(broker, start_worker, tmp_path):
+    hostname = f"rc-{uuid.uuid4().hex[:8]}@test"
+    start_worker(broker, hostname=hostname)
+    app = celery_app(broker)
+    gate = tmp_path / "gate"
+    try:
+        running = app.send_task("tests.apps.basic.gate", (str(gate), 1))
+        waiting = app.send_task("tests.apps.basic.add", (1, 2), countdown=60)
+        inspect = app.control.inspect(destination=[hostname], timeout=2)
+        assert inspect.ping() == {hostname: {"ok": "pong"}}
+
+        def active_ids():
+            return [t["id"] for t in (inspect.active() or {}).get(hostname, [])]
+        wait_until(lambda: active_ids() == [running.id], 20, "the gate task listed as active")
+        [active] = inspect.active()[hostname]
+        pids = inspect.stats()[hostname]["pool"]["processes"]
+        assert active["name"] == "tests.apps.basic.gate" and active["worker_pid"] in pids
+        assert active["time_start"] and str(gate) in active["args"]
+        wait_until(lambda: (inspect.scheduled() or {}).get(hostname), 20, "the ETA task")
+        assert [s["request"]["id"] for s in inspect.scheduled()[hostname]] == [waiting.id]
+        found = inspect.query_task([running.id, waiting.id, "nobody"])[hostname]
+        assert {k: v[0] for k, v in found.items()} == {running.id: "active",
+                                                      waiting.id: "scheduled"}
+        assert "tests.apps.basic.add" in inspect.registered()[hostname]
+        assert [q["name"] for q in inspect.active_queues()[hostname]] == [broker.queue]
+
+        cli = inspect_cli(broker, tmp_path, "query_task", running.id, "-d", hostname,
+                          "--json", "--timeout", "2")
+        assert cli.returncode == 0, cli.stderr
+        assert json.loads(cli.stdout)[hostname][running.id][0] == "active"
+        nobody = inspect_cli(broker, tmp_path, "ping", "-d", "nobody@nowhere", "--timeout",
+                             "0.5")
+        assert nobody.returncode == 1 and "no worker replied" in nobody.stderr
+    finally:
+        gate.touch()
+        app.close()
+
+
+def test_malformed_commands_are_logged_and_dropped(broker, start_worker, tmp_path):
+    hostname = f"rc-{uuid.uuid4().hex[:8]}@test"
+    worker = start_worker(broker, hostname=hostname)
+    app = celery_app(broker)
+    try:
+        inspect = app.control.inspect(destination=[hostname], timeout=2)
+        assert inspect.ping() == {hostname: {"ok": "pong"}}
+        pidbox = control_client.mailbox().exchange       # as Celery's clients declare it
+        with broker.connection() as connection:
+            producer = Producer(connection.default_channel)
+            for body in ("not a command", {"method": 42}, {"method": "ping",
+                                                           "arguments": "not a mapping"},
+                         {"method": "no_such_command", "arguments": {}}):
+                producer.publish(body, exchange=pidbox, declare=[pidbox],
+                                 serializer="json")
+        worker.wait_for_log("dropped a malformed command", count=3)
+        worker.wait_for_log("command 'no_such_command' failed: KeyError")
+        assert inspect.ping() == {hostname: {"ok": "pong"}}
+    finally:
+        app.close()
+
+
+@pytest.mark.parametrize("broker", ["redis"], indirect=True)
+def test_remote_control_can_be_switched_off(broker, start_worker, tmp_path):
+    hostname = f"rc-{uuid.uuid4().hex[:8]}@test"
+    start_worker(broker, hostname=hostname, remote_control=False)
+    app = celery_app(broker)
+    try:
+        assert app.control.inspect(destination=[hostname], timeout=1).ping() is None
+    finally:
+        app.close()
+
+
+def test_children_are_forked_only_while_the_control_thread_is_parked():
+    """The fork gate: False while the control thread holds its gate (connecting, replying),
+    True while it waits for commands or is not running."""
+    import threading
+
+    from workhorse.daemon.brokerthread import parked
+    gate = threading.Lock()
+    holding, release = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        with gate:
+            holding.set()
+            release.wait(10)
+    thread = threading.Thread(target=busy)
+    with parked(thread, gate) as free:
+        assert free                              # not started: nothing to wait for
+    thread.start()
+    holding.wait(10)
+    with parked(thread, gate) as free:
+        assert not free
+    release.set()
+    thread.join(10)
+    with parked(thread, gate) as free:
+        assert free
+
+
+def test_pool_time_limit_and_shutdown_through_celerys_client_and_workhorses_cli(
+        broker, start_worker, client, tmp_path):
+    from .test_revoke import control_cli
+    hostname = f"rc-{uuid.uuid4().hex[:8]}@test"
+    worker = start_worker(broker, hostname=hostname, concurrency=1)
+    app = celery_app(broker)
+    ask = {"reply": True, "timeout": 5, "destination": [hostname]}
+    try:
+        inspect = app.control.inspect(destination=[hostname], timeout=2)
+
+        def pool() -> list[int]:
+            return ((inspect.stats() or {}).get(hostname) or {}).get("pool", {}).get(
+                "processes", [])
+        assert app.control.pool_grow(2, **ask) == [{hostname: {"ok": "pool will grow"}}]
+        wait_until(lambda: len(pool()) == 3, 20, "three children")
+        assert app.control.pool_shrink(1, **ask) == [{hostname: {"ok": "pool will shrink"}}]
+        wait_until(lambda: len(pool()) == 2, 20, "two children")
+        assert inspect.stats()[hostname]["prefetch_count"] == 2 * 4
+        [error] = app.control.pool_shrink(5, **ask)
+        assert "the pool stays at 2 children" in error[hostname]["error"]
+
+        assert app.control.time_limit("tests.apps.basic.sleeper", hard=1, **ask) == [
+            {hostname: {"ok": "time limits set successfully"}}]
+        limited = app.send_task("tests.apps.basic.sleeper", (30,))
+        wait_until(lambda: client.AsyncResult(limited.id).state == "FAILURE", 20,
+                   "the new hard limit to fail the task")
+        assert "TimeLimitExceeded" in repr(client.AsyncResult(limited.id).result)
+        assert app.control.time_limit("tests.apps.basic.nope", hard=1, **ask) == [
+            {hostname: {"error": "unknown task tests.apps.basic.nope"}}]
+
+        cli = control_cli(broker, tmp_path, "shutdown", "-d", hostname, "--json",
+                          "--timeout", "3")
+        assert cli.returncode == 0, cli.stderr
+        assert json.loads(cli.stdout) == {hostname: {"ok": "shutting down"}}
+        assert worker.wait_exit(30) == 0
+        worker.wait_for_log("warm shutdown \\(remote control: Got shutdown from remote\\)")
+    finally:
+        app.close()
+
+
+def test_add_and_cancel_consumer_through_celerys_client_and_workhorses_cli(
+        broker, start_worker, client, tmp_path):
+    from .test_revoke import control_cli
+    hostname = f"rc-{uuid.uuid4().hex[:8]}@test"
+    start_worker(broker, hostname=hostname)
+    app = celery_app(broker)
+    extra = f"{broker.queue}-extra"
+    broker.extra_queues.append(extra)                 # deleted after the test
+    ask = {"reply": True, "timeout": 10, "destination": [hostname]}
+    try:
+        inspect = app.control.inspect(destination=[hostname], timeout=2)
+        assert app.control.add_consumer(extra, **ask) == [{hostname: {
+            "ok": f"add consumer {extra}"}}]
+        assert app.control.add_consumer(extra, **ask) == [{hostname: {
+            "ok": f"already consuming from {extra!r}"}}]
+        assert sorted(q["name"] for q in inspect.active_queues()[hostname]) == sorted(
+            [broker.queue, extra])
+        assert client.send_task("tests.apps.basic.add", (1, 2), queue=extra).get(
+            timeout=30) == 3
+
+        assert app.control.cancel_consumer(extra, **ask) == [{hostname: {
+            "ok": f"no longer consuming from {extra}"}}]
+        assert app.control.cancel_consumer(extra, **ask) == [{hostname: {
+            "error": f"not consuming from {extra!r}"}}]
+        left = client.send_task("tests.apps.basic.add", (3, 4), queue=extra)
+        assert client.send_task("tests.apps.basic.add", (5, 6)).get(timeout=30) == 11
+        assert broker.queue_size(extra) == 1          # waits, untouched, in its queue
+        assert client.AsyncResult(left.id).state == "PENDING"
+
+        cli = control_cli(broker, tmp_path, "add_consumer", extra, "-d", hostname, "--json",
+                          "--timeout", "10")
+        assert cli.returncode == 0, cli.stderr
+        assert json.loads(cli.stdout) == {hostname: {"ok": f"add consumer {extra}"}}
+        assert left.get(timeout=30) == 7
+        bad = control_cli(broker, tmp_path, "add_consumer")
+        assert bad.returncode == 2 and "one queue name" in bad.stderr
+    finally:
+        app.close()

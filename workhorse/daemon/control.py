@@ -1,0 +1,190 @@
+"""Celery's broadcast mailbox, answered on a thread and a broker connection of its own.
+
+Who owns what: the control thread owns its kombu connection, the ``celery.pidbox`` fanout
+queue ``<hostname>.celery.pidbox`` it consumes (kombu's ``pidbox.Node`` speaks the
+protocol) and the replies it publishes. What a reply is made of is read on the loop
+thread: the control thread posts a closure through a wakeup pipe the loop watches, and
+waits at most ``ASK_TIMEOUT`` for the snapshot (``WorkerView``); the loop never waits on the
+control thread, a client or the broker. A malformed command is logged and dropped.
+
+Forks: the loop thread forks children only while this thread is ``parked`` (as the broker
+thread's): its gate is held while it connects and while it publishes a reply, and released
+while it waits for commands in ``drain_events`` (its consumer takes no acks, so a child
+forked meanwhile inherits no message to give back).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kombu import pidbox
+
+from ..control.commands import ACTIONS, Steerable
+from ..control.inspect import COMMANDS, WorkerView
+from .service import ServiceThread, describe
+
+if TYPE_CHECKING:
+    from ..app import App
+    from ..backends import Backend
+
+T = TypeVar("T")
+
+log = logging.getLogger("workhorse.control")
+
+#: How long a command waits for the loop thread's snapshot before it answers an error.
+ASK_TIMEOUT = 1.0
+
+
+class ControlThread(ServiceThread):
+    """Answers ``celery inspect/control`` and ``workhorse inspect/control`` for the
+    supervisor."""
+
+    name = "remote control"
+
+    def __init__(self, app: App, hostname: str, view: Callable[[], WorkerView],
+                 steerable: Steerable, merge_revoked: Callable[[Mapping[str, float]], None],
+                 where: str) -> None:
+        super().__init__(log)
+        self.app = app
+        self.where = where              # the broker, for logs (password hidden)
+        self.hostname = hostname
+        self.view = view
+        self.steerable = steerable              # used on the loop thread only
+        self._merge_revoked = merge_revoked     # loop thread's
+        self._store: Backend | None = None      # this thread's own result store object
+        self.mailbox = pidbox.Mailbox("celery", type="fanout", accept=["json"],
+                                      serializer="json")
+
+    # ------------------------------------------------------------------ the thread
+    def finish(self) -> None:
+        if self._store is not None:
+            self._store.close()
+
+    def serve(self) -> None:
+        with self.app.connection() as connection:
+            connection.ensure_connection(max_retries=1)
+            channel = connection.channel()
+            node = _Node(self, self.mailbox(connection), channel)
+            # Commands sent while this worker was away (a stored mailbox queue: SQLite)
+            # are not for it: a restart must not replay them.
+            node.listen(channel).purge()
+            self._load_revoked()
+            log.info("remote control: answering on %s as %s", self.where, self.hostname)
+            while not self.stopping:
+                self.gate.release()
+                try:
+                    connection.drain_events(timeout=1.0)
+                except TimeoutError:
+                    pass
+                finally:
+                    self.gate.acquire()
+
+    def answer(self, method: str, arguments: dict[str, Any]) -> Any:
+        """A command's reply (control thread): an inspect command's from the snapshot asked
+        of the loop thread; a control command's from what it did."""
+        handler = COMMANDS.get(method)
+        if handler is not None:
+            return handler(self._on_loop(self.view), **arguments)
+        action = ACTIONS.get(method)
+        if action is None:
+            raise KeyError(f"no such command: {method!r} (this worker answers "
+                           f"{', '.join(sorted({*COMMANDS, *ACTIONS}))})")
+        with self.gate:         # store I/O: no child is forked meanwhile
+            return action(self, **arguments)
+
+    def _on_loop(self, function: Callable[[], T]) -> T:
+        """Run ``function`` on the loop thread and wait (at most ``ASK_TIMEOUT``) for it."""
+        box: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+
+        def run() -> None:
+            try:
+                box.put((True, function()))
+            except Exception as exc:  # noqa: BLE001 - the asker gets it, the loop goes on
+                box.put((False, exc))
+        self.posted.put(run)
+        try:
+            ok, value = box.get(timeout=ASK_TIMEOUT)
+        except queue.Empty:
+            raise TimeoutError(f"the supervisor did not answer within {ASK_TIMEOUT} s") from None
+        if not ok:
+            raise value
+        return value
+
+    # ------------------------------------------------------------------ for commands
+    def steer(self, function: Callable[[Steerable], T]) -> T:
+        return self._on_loop(lambda: function(self.steerable))
+
+    @property
+    def store(self) -> Backend:
+        if self._store is None:
+            self._store = self.app.new_backend()
+        return self._store
+
+    def share_revoked(self, entries: Mapping[str, float]) -> None:
+        try:
+            self.store.save_revoked(entries)
+        except Exception as exc:  # noqa: BLE001 - the broadcast still reached who was online
+            log.warning("remote control: could not keep %d revoked entries in the result "
+                        "store (workers started later will not know them): %s",
+                        len(entries), describe(exc))
+
+    def state_of(self, task_id: str) -> str:
+        return str(self.store.get_task_meta(task_id)["status"])
+
+    def mark_revoked(self, task_id: str, reason: str) -> None:
+        self.store.mark_as_revoked(task_id, reason, request={"hostname": self.hostname})
+
+    def _load_revoked(self) -> None:
+        """What was revoked while this worker was away (or before it started)."""
+        try:
+            entries = self.store.load_revoked()
+        except Exception as exc:  # noqa: BLE001 - broadcasts still reach it from now on
+            log.warning("remote control: could not read the revoked tasks kept in the result "
+                        "store: %s", describe(exc))
+            return
+        if entries:
+            self.posted.put(lambda: self._merge_revoked(entries))
+            log.info("remote control: %d revoked entries read from the result store",
+                     len(entries))
+
+
+class _Node(pidbox.Node):
+    """kombu's mailbox node, dispatching to ``ControlThread.answer`` under its gate."""
+
+    def __init__(self, owner: ControlThread, mailbox: pidbox.Mailbox, channel: Any) -> None:
+        super().__init__(owner.hostname, mailbox=mailbox, channel=channel)
+        self.owner = owner
+
+    def dispatch(self, method: str, arguments: Any = None, reply_to: Any = None,
+                 ticket: Any = None, **kwargs: Any) -> Any:
+        """kombu's, with a failed command logged in one line and answered as an error."""
+        try:
+            reply = self.owner.answer(method, dict(arguments or {}))
+        except Exception as exc:  # noqa: BLE001 - the asker gets the error, we go on
+            log.warning("remote control: command %r failed: %s", method, describe(exc))
+            reply = {"error": describe(exc)}
+        if reply_to:
+            self.reply({self.hostname: reply}, exchange=reply_to["exchange"],
+                       routing_key=reply_to["routing_key"], ticket=ticket)
+        return reply
+
+    def reply(self, data: Any, exchange: str, routing_key: str, ticket: str,
+              **kwargs: Any) -> None:
+        with self.owner.gate:
+            super().reply(data, exchange, routing_key, ticket, **kwargs)
+
+    def handle_message(self, body: Any, message: Any = None) -> Any:
+        if (not isinstance(body, dict) or not isinstance(body.get("method"), str)
+                or not isinstance(body.get("arguments") or {}, dict)):
+            log.warning("remote control: dropped a malformed command: %.200r", body)
+            return None
+        try:
+            return super().handle_message(body, message)
+        except Exception as exc:  # noqa: BLE001 - a bad command never ends the thread
+            log.warning("remote control: dropped command %r: %s", body.get("method"),
+                        describe(exc))
+            return None
+
+
