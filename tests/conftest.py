@@ -320,6 +320,10 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
         started.append(worker)
         if ready:
             worker.wait_ready()
+            if settings.get("remote_control", True):
+                # A broadcast reaches only the workers listening when it is sent: tests
+                # that send one right away wait for the mailbox too.
+                worker.wait_for_log(r"remote control: answering")
         return worker
 
     yield start

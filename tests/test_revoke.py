@@ -328,12 +328,14 @@ def test_a_worker_started_later_knows_what_was_revoked_before_it(
         cli = control_cli(broker, tmp_path, "revoke", offline, "--timeout", "0.5")
         assert cli.returncode == 0, cli.stderr
         assert "kept in the result store" in cli.stderr
-        start_worker(broker, hostname=f"late-{uuid.uuid4().hex[:8]}@test")
+        # Queued before the late worker starts: it must know the revokes before it takes
+        # anything (it reads them from the store before it consumes).
         celery.send_task("tests.apps.basic.record", (), task_id=task_id)
         celery.send_task("tests.apps.basic.record", (), task_id=offline)
         celery.send_task("tests.apps.basic.record", (), task_id=stamped_id,
                          stamped_headers=["batch"], batch="b-13")
         kept = celery.send_task("tests.apps.basic.add", (1, 1))
+        start_worker(broker, hostname=f"late-{uuid.uuid4().hex[:8]}@test")
         assert client.AsyncResult(kept.id).get(timeout=30) == 2
         for revoked in (task_id, offline, stamped_id):
             wait_until(lambda r=revoked: _state(client, r) == "REVOKED", 20,

@@ -2,10 +2,12 @@
 and a fake broker connection (no fork, no broker, no real signal)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.fakes import FakeClock, FakeLink, FakeOS, fake_app, fake_settings, message
-from workhorse.daemon.supervisor import Phase, Supervisor
+from workhorse.daemon.supervisor import REVOKES_READ_WAIT, Phase, Supervisor
 from workhorse.outcome import Outcome
 from workhorse.pool.ipc import Done, Job, Stop
 
@@ -117,3 +119,30 @@ def test_a_failing_reload_keeps_everything_as_it_was():
     supervisor.handle_hup()
     assert (supervisor.app, supervisor.settings) == (app, settings)
     assert os_.handles[0].sent == [] and supervisor.phase is Phase.RUNNING
+
+
+def test_nothing_is_consumed_until_the_revokes_kept_in_the_store_are_known():
+    """A worker started after a revoke must not take (and run) the revoked task before
+    remote control has read the revokes kept in the result store."""
+    supervisor, clock, _, consumer = running_supervisor(remote_control=True)
+    supervisor._changed()
+    assert consumer.rooms[-1] == 0
+    supervisor._revokes_read({"id:gone": time.time() + 60})
+    assert consumer.rooms[-1] == supervisor.holding.window
+    assert supervisor.intake.revoked.match("gone", {}) is not None
+
+
+def test_a_store_that_cannot_say_what_was_revoked_delays_consuming_only_so_long():
+    supervisor, clock, _, consumer = running_supervisor(remote_control=True)
+    supervisor._start_timers()
+    clock.advance(supervisor.loop, REVOKES_READ_WAIT - 0.1)
+    supervisor._changed()
+    assert consumer.rooms[-1] == 0
+    clock.advance(supervisor.loop, 0.2)
+    assert consumer.rooms[-1] == supervisor.holding.window
+
+
+def test_without_remote_control_consuming_starts_at_once():
+    supervisor, _, _, consumer = running_supervisor(remote_control=False)
+    supervisor._changed()
+    assert consumer.rooms[-1] == supervisor.holding.window

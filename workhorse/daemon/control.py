@@ -44,7 +44,7 @@ class ControlThread(ServiceThread):
     name = "remote control"
 
     def __init__(self, app: App, hostname: str, view: Callable[[], WorkerView],
-                 steerable: Steerable, merge_revoked: Callable[[Mapping[str, float]], None],
+                 steerable: Steerable, revokes_read: Callable[[Mapping[str, float]], None],
                  where: str) -> None:
         super().__init__(log)
         self.app = app
@@ -52,7 +52,7 @@ class ControlThread(ServiceThread):
         self.hostname = hostname
         self.view = view
         self.steerable = steerable              # used on the loop thread only
-        self._merge_revoked = merge_revoked     # loop thread's
+        self._revokes_read = revokes_read       # loop thread's
         self._store: Backend | None = None      # this thread's own result store object
         self.mailbox = pidbox.Mailbox("celery", type="fanout", accept=["json"],
                                       serializer="json")
@@ -137,17 +137,19 @@ class ControlThread(ServiceThread):
         self.store.mark_as_revoked(task_id, reason, request={"hostname": self.hostname})
 
     def _load_revoked(self) -> None:
-        """What was revoked while this worker was away (or before it started)."""
+        """What was revoked while this worker was away (or before it started). The loop is
+        told even when the store cannot be read: it waits for this before it consumes."""
+        entries: Mapping[str, float] = {}
         try:
             entries = self.store.load_revoked()
         except Exception as exc:  # noqa: BLE001 - broadcasts still reach it from now on
             log.warning("remote control: could not read the revoked tasks kept in the result "
                         "store: %s", describe(exc))
-            return
-        if entries:
-            self.posted.put(lambda: self._merge_revoked(entries))
-            log.info("remote control: %d revoked entries read from the result store",
-                     len(entries))
+        else:
+            if entries:
+                log.info("remote control: %d revoked entries read from the result store",
+                         len(entries))
+        self.posted.put(lambda: self._revokes_read(entries))
 
 
 class _Node(pidbox.Node):

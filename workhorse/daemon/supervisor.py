@@ -23,7 +23,7 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from kombu.message import Message
@@ -78,6 +78,9 @@ STOP_STATUS_INTERVAL = 5.0
 LAG_INTERVAL = 1.0
 #: How often idle children's memory is compared with max_memory_per_child.
 IDLE_MEMORY_CHECK = 2.0
+#: How long a starting worker waits for remote control to read the revokes kept in the
+#: result store before it consumes anyway (a revoked task it takes meanwhile would run).
+REVOKES_READ_WAIT = 10.0
 
 
 class Phase(str, enum.Enum):
@@ -137,8 +140,11 @@ class Supervisor:
         steering = Steering(self.current, self.intake, self.holding, self.slots,
                             self.reloading, self.warm_shutdown, self.events, self.link)
         self.control = (ControlThread(app, self.hostname, self._worker_view, steering,
-                                      self.intake.revoked.merge, redact(settings.broker_url))
+                                      self._revokes_read, redact(settings.broker_url))
                         if settings.remote_control else None)
+        #: Nothing is consumed until the revokes kept in the result store are known, so a
+        #: worker started after a revoke never runs the revoked task (as Celery's mingle).
+        self._revokes_known = self.control is None
         #: Prometheus metrics, when served.
         self.metrics: Metrics | None = None
         self.metrics_server: MetricsServer | None = None
@@ -174,8 +180,9 @@ class Supervisor:
         now = self.system.monotonic()
         self.link.set_credit(self.holding.credit(now))
         free = self.holding.window - self.holding.held
-        self.link.set_room(free if self._accepting() and now >= self.holding.paused_until
-                           else 0, starved=not self.holding.buffer)
+        self.link.set_room(free if self._accepting() and self._revokes_known
+                           and now >= self.holding.paused_until else 0,
+                           starved=not self.holding.buffer)
 
     def run(self) -> int:
         """Run until shut down; return the process exit status."""
@@ -227,6 +234,20 @@ class Supervisor:
             for service in self.services:
                 free = stack.enter_context(service.parked()) and free
             yield free
+
+    def _revokes_read(self, entries: Mapping[str, float]) -> None:
+        """Remote control read the revokes kept in the result store (or could not)."""
+        self.intake.revoked.merge(entries)
+        if not self._revokes_known:
+            self._revokes_known = True
+            self._changed()
+
+    def _revokes_overdue(self) -> None:
+        if not self._revokes_known:
+            log.warning("remote control has not read the revoked tasks kept in the result "
+                        "store within %.0f s; consuming anyway (a task revoked while this "
+                        "worker was away may run)", REVOKES_READ_WAIT)
+            self._revokes_read({})
 
     def _held_by_stage(self) -> dict[str, int]:
         """Read on the metrics thread: lengths only, a gauge's worth."""
@@ -298,6 +319,8 @@ class Supervisor:
 
     def _start_timers(self) -> None:
         s = self.settings
+        if not self._revokes_known:
+            self.loop.call_later(REVOKES_READ_WAIT, self._revokes_overdue)
         self._write_health()
         self._every(HEALTH_INTERVAL, self._write_health)
         if s.max_memory_per_child:
