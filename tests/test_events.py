@@ -3,6 +3,7 @@ by the real tools: ``celery events --dump`` and Flower's HTTP API, and task even
 switched on and off by remote control."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -12,6 +13,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +26,23 @@ from .conftest import ROOT, wait_until
 from .test_remote_control import celery_app
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@contextlib.contextmanager
+def receiving(app) -> Iterator[list[dict]]:
+    """Every event on ``app``'s broker, in a list that grows while the block runs."""
+    seen: list[dict] = []
+    connection = app.connection()
+    receiver = app.events.Receiver(connection, handlers={"*": seen.append})
+    listener = threading.Thread(target=receiver.capture, kwargs={"wakeup": False},
+                                daemon=True)
+    listener.start()
+    try:
+        yield seen
+    finally:
+        receiver.should_stop = True
+        listener.join(10)
+        connection.close()
 
 
 # ---------------------------------------------------------------- events (pure)
@@ -133,26 +152,20 @@ def test_task_events_follow_enable_and_disable_events(broker, start_worker, clie
     start_worker(broker, hostname=hostname)                 # task events off by default
     app = celery_app(broker)
     ask = {"reply": True, "timeout": 5, "destination": [hostname]}
-    seen: list[dict] = []
-    connection = app.connection()
-    receiver = app.events.Receiver(connection, handlers={"*": seen.append})
-    listener = threading.Thread(target=receiver.capture, kwargs={"wakeup": False},
-                                daemon=True)
-    listener.start()
+    with contextlib.closing(app), receiving(app) as seen:
 
-    def kinds() -> set[str]:
-        return {e["type"] for e in list(seen) if e.get("hostname") == hostname}
+        def kinds() -> set[str]:
+            return {e["type"] for e in list(seen) if e.get("hostname") == hostname}
 
-    def heartbeats() -> int:
-        return sum(1 for e in list(seen) if e["type"] == "worker-heartbeat")
+        def heartbeats() -> int:
+            return sum(1 for e in list(seen) if e["type"] == "worker-heartbeat")
 
-    def assert_no_task_events(n: int) -> None:
-        """A task runs; a heartbeat sent after it has come, and no task event before it."""
-        assert client.send_task("tests.apps.basic.add", (n, n)).get(timeout=30) == 2 * n
-        before = heartbeats()
-        wait_until(lambda: heartbeats() > before, 20, "the next heartbeat")
-        assert not {k for k in kinds() if k.startswith("task-")}
-    try:
+        def assert_no_task_events(n: int) -> None:
+            """A task runs; a heartbeat sent after it has come, and no task event before it."""
+            assert client.send_task("tests.apps.basic.add", (n, n)).get(timeout=30) == 2 * n
+            before = heartbeats()
+            wait_until(lambda: heartbeats() > before, 20, "the next heartbeat")
+            assert not {k for k in kinds() if k.startswith("task-")}
         wait_until(lambda: "worker-heartbeat" in kinds(), 20, "a heartbeat")
         assert_no_task_events(1)
         assert app.control.enable_events(**ask) == [{hostname: {"ok": "task events enabled"}}]
@@ -167,11 +180,6 @@ def test_task_events_follow_enable_and_disable_events(broker, start_worker, clie
         assert app.control.heartbeat(**ask) == [{hostname: {"ok": "heartbeat sent"}}]
         wait_until(lambda: "worker-heartbeat" in kinds(), 20, "the heartbeat asked for")
         assert_no_task_events(3)
-    finally:
-        receiver.should_stop = True
-        listener.join(10)
-        connection.close()
-        app.close()
 
 
 @pytest.mark.parametrize("broker", ["redis"], indirect=True)
@@ -220,13 +228,7 @@ def test_a_monitor_on_the_sqlite_broker_sees_events_through_workhorses_transport
         broker, start_worker, client):
     hostname = f"ev-{uuid.uuid4().hex[:8]}@test"
     app = celery_app(broker)                  # registers workhorse's sqlite:// transport
-    seen: list[dict] = []
-    connection = app.connection()
-    receiver = app.events.Receiver(connection, handlers={"*": seen.append})
-    listener = threading.Thread(target=receiver.capture, kwargs={"wakeup": False},
-                                daemon=True)
-    listener.start()
-    try:
+    with contextlib.closing(app), receiving(app) as seen:
         with app.connection() as probing:
             probe = app.events.Dispatcher(probing, hostname="probe@test")
 
@@ -242,8 +244,3 @@ def test_a_monitor_on_the_sqlite_broker_sees_events_through_workhorses_transport
                                for e in list(seen)), 20, "task-succeeded on SQLite")
         assert any(e["type"] == "worker-online" and e["hostname"] == hostname
                    for e in list(seen))
-    finally:
-        receiver.should_stop = True
-        listener.join(10)
-        connection.close()
-        app.close()
