@@ -316,6 +316,9 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
 
     def start(broker: BrokerEnv, app: str = "tests.apps.basic", ready: bool = True,
               **settings: object) -> Worker:
+        # A name of its own, as each worker of a fleet has: on RabbitMQ a second worker
+        # of the same name cannot answer remote control (its mailbox queue is exclusive).
+        settings.setdefault("hostname", f"w-{uuid.uuid4().hex[:8]}@test")
         worker = Worker(tmp_path, worker_env(broker, tmp_path, **settings), ["-A", app])
         started.append(worker)
         if ready:

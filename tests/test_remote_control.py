@@ -14,7 +14,10 @@ from kombu import Producer
 from workhorse.control import client as control_client
 from workhorse.control.inspect import COMMANDS, TaskInfo, WorkerView
 
+from workhorse.daemon.supervisor import REVOKES_READ_WAIT
+
 from .conftest import ROOT, wait_until, worker_env
+from .test_delivery import holds
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -261,3 +264,20 @@ def test_add_and_cancel_consumer_through_celerys_client_and_workhorses_cli(
         assert bad.returncode == 2 and "one queue name" in bad.stderr
     finally:
         app.close()
+
+
+@pytest.mark.parametrize("broker", ["amqp"], indirect=True)
+def test_a_second_worker_of_the_same_name_says_so_and_still_runs_tasks(broker, start_worker,
+                                                                       client):
+    """RabbitMQ gives a mailbox queue to one worker of a name: the second cannot answer
+    remote control. It says why and what to do, and does not wait for the revokes its
+    mailbox would have read before consuming."""
+    hostname = f"twin-{uuid.uuid4().hex[:8]}@test"
+    start_worker(broker, hostname=hostname)
+    twin = start_worker(broker, hostname=hostname, ready=False)
+    twin.wait_for_log(f"another worker named {hostname} answers its mailbox already")
+    twin.wait_ready()
+    results = [client.send_task("tests.apps.basic.add", (n, n)) for n in range(20)]
+    assert [r.get(timeout=30) for r in results] == [2 * n for n in range(20)]
+    holds(lambda: "has not read the revoked tasks" not in twin.log(), REVOKES_READ_WAIT + 1,
+          "the twin read the revokes kept in the store, without its mailbox")

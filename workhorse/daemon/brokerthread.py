@@ -307,12 +307,14 @@ class BrokerThread:
             self._attempts += 1
             limit = self.max_retries if self.retry_on_startup or not self._first else 0
             if limit is not None and self._attempts > limit:
-                self.post(partial(self.on_gave_up, exc))
+                # Said before the loop is told: the loop stops once told, and a record
+                # posted after that would never be written.
                 log.critical("broker %s: %s; giving up after %d attempt%s (%s)",
                              consumer.where(), consumer.describe_failure(exc), self._attempts,
                              "s" if self._attempts > 1 else "",
                              "broker_connection_max_retries" if limit else
                              "broker_connection_retry_on_startup = false")
+                self.post(partial(self.on_gave_up, exc))
                 self._stopping = True
                 return
             delay = backoff(self._attempts) or backoff(1)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kombu import pidbox
+from kombu.exceptions import InconsistencyError
 
 from ..control.commands import ACTIONS, Steerable
 from ..control.inspect import COMMANDS, WorkerView
@@ -67,11 +68,22 @@ class ControlThread(ServiceThread):
             connection.ensure_connection(max_retries=1)
             channel = connection.channel()
             node = _Node(self, self.mailbox(connection), channel)
-            # Commands sent while this worker was away (a stored mailbox queue: SQLite)
-            # are not for it: a restart must not replay them.
-            node.listen(channel).purge()
-            self._load_revoked()
+            try:
+                # Commands sent while this worker was away (a stored mailbox queue:
+                # SQLite) are not for it: a restart must not replay them.
+                node.listen(channel).purge()
+            except Exception as exc:
+                # The revokes kept in the store still count (the loop waits for them).
+                self._load_revoked()
+                if isinstance(exc, InconsistencyError) or "RESOURCE_LOCKED" in str(exc):
+                    raise RuntimeError(
+                        f"another worker named {self.hostname} answers its mailbox already; "
+                        "give each worker a name of its own (hostname, -n)") from exc
+                raise
+            # Listening first: a revoke sent from now on reaches this worker, one sent
+            # before is in the store; the log line before the revokes reach the loop.
             log.info("remote control: answering on %s as %s", self.where, self.hostname)
+            self._load_revoked()
             while not self.stopping:
                 self.gate.release()
                 try:

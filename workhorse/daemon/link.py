@@ -76,6 +76,7 @@ class BrokerLink:
         broker that does not answer within ``timeout`` is left behind (what we did not
         settle comes back from the broker)."""
         if not self.thread.is_alive():
+            self._run_posted()          # its last log records (it gave up, say)
             return
         self.flush()
         self.thread.stop()
