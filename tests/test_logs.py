@@ -176,15 +176,19 @@ def test_under_a_journal_stream_records_carry_priorities_and_stay_one_line(
 
 
 def _health(broker, tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """``workhorse health`` for the worker named HEALTHY (its health file is per name)."""
     return subprocess.run([sys.executable, "-m", "workhorse", "health", *args],
-                          env=worker_env(broker, tmp_path), cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+                          env=worker_env(broker, tmp_path, hostname=HEALTHY), cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+HEALTHY = "healthy@test"
 
 
 @pytest.mark.parametrize("broker", ["redis"], indirect=True)
 def test_health_and_pidfile_follow_the_supervisor(broker, start_worker, tmp_path):
     pidfile = tmp_path / "worker.pid"
-    worker = start_worker(broker, pidfile=pidfile)
+    worker = start_worker(broker, pidfile=pidfile, hostname=HEALTHY)
     assert pidfile.read_text() == f"{worker.pid}\n"
     second = start_worker(broker, ready=False, pidfile=pidfile)
     assert second.wait_exit(30) == 2
