@@ -72,6 +72,13 @@ def fill(url: str, queue: str, task: str, args: list, count: int) -> None:
 
 
 def drop(url: str, queue: str) -> None:
+    """Delete the run's queue. On Redis the whole benchmark database goes: a worker killed
+    at the end of a run leaves the leases of what it held in kombu's shared ``unacked``
+    keys, and every later run's sweep would spend its time putting them back."""
+    if url == BROKERS["redis"]:
+        import redis
+        redis.Redis.from_url(url).flushdb()
+        return
     with Connection(url) as conn:
         try:
             ensure_queue(conn, queue)(conn.default_channel).delete()

@@ -231,3 +231,35 @@ def test_a_wakeup_writes_once_per_batch_and_never_loses_one(monkeypatch):
         assert ready, f"{total - got} items waiting with no byte in the pipe"
         got += len(wakeup.take())
     writer.join()
+
+
+def test_a_turns_acks_and_fetches_go_together_after_its_other_commands_in_order():
+    """The broker thread carries acks submitted one after another in one call, in order
+    with the other commands; however many fetches a turn asked for, it fetches once,
+    last, with the acks still waiting (one round trip on Redis)."""
+    from types import SimpleNamespace
+
+    from workhorse.daemon import brokerthread
+    calls: list[tuple] = []
+    thread = brokerthread.BrokerThread.__new__(brokerthread.BrokerThread)
+    thread.commands = brokerthread.Wakeup()
+    thread.post = lambda callback: callback()
+    thread.consumer = SimpleNamespace(
+        connected=True,
+        ack_many=lambda messages, fetch=False: (calls.append(("ack_many", messages, fetch))
+                                                or [None] * len(messages)))
+    told: list[object] = []
+    first, second, third = (brokerthread.Ack(m, told.append) for m in "abc")
+    thread.submit_acks([first])
+    thread.fetch()
+    thread.commands.put(lambda consumer: calls.append(("requeue",)))
+    thread.submit_acks([second, third])
+    thread.fetch()
+    thread.fetch()
+    thread._run_commands()
+    assert calls == [("ack_many", ["a"], False), ("requeue",), ("ack_many", ["b", "c"], True)]
+    assert told == [None, None, None]
+    calls.clear()
+    thread.fetch()
+    thread._run_commands()
+    assert calls == [("ack_many", [], True)]

@@ -343,3 +343,33 @@ def test_a_lease_another_kind_of_consumer_took_is_swept_only_after_celerys_timeo
         held.ack()
         celery_like.release()
         ours.release()
+
+
+def test_a_turns_acks_travel_with_its_next_take(redis_queue, caplog):
+    """``take(limit, acks)``: the acks of a turn and the next messages in one script. Only
+    leases still ours are removed; what was taken is leased and counted as by a take."""
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        ensure_queue(conn, redis_queue)
+        for n in range(6):
+            Producer(conn).publish({"n": n}, exchange="", routing_key=redis_queue,
+                                   serializer="json")
+        server = redis.Redis.from_url(REDIS_URL)
+        channel, got = _taking(conn, redis_queue)
+        assert channel.take(3) == 3
+        tags = [m.delivery_tag for m in got]
+        server.zadd("unacked_index", {tags[1]: 12345.0})     # now another holder's lease
+        assert channel.take(2, acks=tags) == 2
+        assert [m.payload["n"] for m in got[3:]] == [3, 4]
+        for tag in (tags[0], tags[2]):
+            assert server.zscore("unacked_index", tag) is None and _count(server, tag) is None
+        assert server.zscore("unacked_index", tags[1]) == 12345.0
+        assert f"message {tags[1]}: lease lost before it was settled" in caplog.text
+        for message in got[3:]:
+            assert message.delivery_info["delivery_count"] == 1
+            assert server.zscore("unacked_index", message.delivery_tag) is not None
+        assert channel.take(0, acks=[m.delivery_tag for m in got[3:]]) == 0   # acks alone
+        assert server.llen(redis_queue) == 1
+        assert all(server.zscore("unacked_index", m.delivery_tag) is None for m in got[3:])
+        server.zrem("unacked_index", tags[1])
+        server.hdel("unacked", tags[1])
+        server.hdel("delivery_counts", tags[1])

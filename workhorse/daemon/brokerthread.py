@@ -111,6 +111,23 @@ class Ack:
         consumer.ack(self.message)
 
 
+class _Fetch:
+    """The command to take what there is room for, after the acks submitted with it (in
+    one round trip where the broker allows). However often it is submitted in one turn,
+    it is carried out once, after the turn's other commands."""
+
+    def __call__(self, consumer: BrokerConsumer) -> None:
+        """Alone (the broker thread carries it with the acks instead)."""
+        if consumer.connected:
+            consumer.poll()
+
+    def __repr__(self) -> str:
+        return "FETCH"
+
+
+FETCH = _Fetch()
+
+
 class Room:
     """How many more messages the broker thread may take: the loop thread's count of free
     places in its window, less what the broker thread took since that count was made."""
@@ -186,6 +203,10 @@ class BrokerThread:
         that RabbitMQ refuses because it blocks publishers (a memory or disk alarm) waits:
         the command is run again every BLOCKED_RETRY seconds until the alarm clears."""
         self.commands.put(self._guarded(command, what))
+
+    def fetch(self) -> None:
+        """Take what there is room for (see ``FETCH``)."""
+        self.commands.put(FETCH)
 
     def submit_acks(self, acks: list[Ack]) -> None:
         """Ack messages on the broker thread, together with the acks submitted right
@@ -268,22 +289,28 @@ class BrokerThread:
 
     def _run_commands(self) -> None:
         acks: list[Ack] = []
+        fetch = False
         for command in self.commands.take():
             if isinstance(command, Ack):
                 acks.append(command)
-                continue
-            if acks:
-                self._ack(acks)
-                acks = []
-            command(self.consumer)
-        if acks:
-            self._ack(acks)
+            elif command is FETCH:
+                fetch = True
+            else:
+                if acks:
+                    self._ack(acks)
+                    acks = []
+                command(self.consumer)
+        if acks or fetch:
+            self._ack(acks, fetch and self.consumer.connected)
 
-    def _ack(self, acks: list[Ack]) -> None:
-        """Acks submitted one after another, in order with the other commands."""
+    def _ack(self, acks: list[Ack], fetch: bool = False) -> None:
+        """Acks submitted one after another, in order with the other commands; ``fetch``:
+        then take what there is room for, in the same round trip where the broker allows."""
         try:
-            errors = self.consumer.ack_many([ack.message for ack in acks])
-        except Exception as exc:  # noqa: BLE001 - ack_many hands back errors; just in case
+            errors = self.consumer.ack_many([ack.message for ack in acks], fetch)
+        except Exception as exc:  # ack_many hands back errors: this is for a bug, logged
+            log.error("acking %d messages%s failed: %r", len(acks),
+                      " and fetching" if fetch else "", exc, exc_info=exc)
             errors = [exc] * len(acks)
         for ack, error in zip(acks, errors, strict=True):
             if ack.then is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from time import monotonic
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any
@@ -199,11 +199,12 @@ class BrokerConsumer:
             self._lost(exc)
             return None
 
-    def _settling(self, channel: Any, function: Callable[[], None]) -> None:
-        """Call a settle-side function on ``channel``; errors are raised (the caller logs
-        them), and one on the current connection also counts as losing it."""
+    def _settling(self, channel: Any, function: Callable[[], Any]) -> Any:
+        """Call a settle-side function on ``channel``, returning what it returns; errors
+        are raised (the caller logs them), and one on the current connection also counts
+        as losing it."""
         try:
-            function()
+            return function()
         except BaseException as exc:
             if (self.connection is not None and channel in self._channels
                     and isinstance(exc, self._errors())):
@@ -349,38 +350,59 @@ class BrokerConsumer:
     def ack(self, message: Message) -> None:
         self._settling(message.channel, message.ack)
 
-    def ack_many(self, messages: list[Message]) -> list[Exception | None]:
+    def ack_many(self, messages: list[Message], fetch: bool = False) -> list[Exception | None]:
         """Ack several messages, in one round trip per channel where the channel can (Redis);
-        return each one's error, or None."""
+        return each one's error, or None. ``fetch``: then take what there is room for, in
+        the same round trip as the consuming channel's acks where the driver can (Redis)."""
         errors: list[Exception | None] = [None] * len(messages)
         by_channel: dict[Any, list[int]] = {}
         for n, message in enumerate(messages):
             by_channel.setdefault(message.channel, []).append(n)
+        driver = self.driver if self.consuming else None
+        combined = (driver.ack_and_take if fetch and isinstance(driver, _RedisDriver)
+                    else None)
+        more = True         # may a fetch still find messages?
         for channel, numbers in by_channel.items():
-            batch = getattr(getattr(channel, "qos", None), "ack_many", None)
-            if batch is None or len(numbers) == 1:
-                for n in numbers:
-                    try:
-                        self.ack(messages[n])
-                    except Exception as exc:  # noqa: BLE001 - handed back, per message
-                        errors[n] = exc
-                continue
-            ready: list[Message] = []
-            for n in numbers:
-                if messages[n].acknowledged:
-                    errors[n] = Message.MessageStateError(
-                        f"Message already acknowledged with state: {messages[n]._state}")
-                else:
-                    ready.append(messages[n])
-            try:
-                self._settling(channel, partial(batch, [m.delivery_tag for m in ready]))
-            except Exception as exc:  # noqa: BLE001 - handed back, per message
-                for n in numbers:
-                    errors[n] = errors[n] or exc
-                continue
-            for message in ready:
-                message._state = "ACK"
+            if combined is not None and channel is getattr(driver, "channel", None):
+                more = self._ack_batch(channel, combined, messages, numbers, errors)
+                combined = None
+            else:
+                batch = getattr(getattr(channel, "qos", None), "ack_many", None)
+                self._ack_batch(channel, batch if len(numbers) > 1 else None, messages,
+                                numbers, errors)
+        if fetch and more and self.connected:
+            self.poll()
         return errors
+
+    def _ack_batch(self, channel: Any, batch: Callable[[Sequence[str]], Any] | None,
+                   messages: list[Message], numbers: list[int],
+                   errors: list[Exception | None]) -> bool:
+        """Ack ``messages[n]`` for ``numbers``, all of ``channel``: by ``batch(tags)`` in
+        one round trip, else one by one; each error goes to ``errors[n]``. Returns True
+        if ``batch`` said so (``ack_and_take``: there may be more to take) or failed."""
+        if batch is None:
+            for n in numbers:
+                try:
+                    self.ack(messages[n])
+                except Exception as exc:  # noqa: BLE001 - handed back, per message
+                    errors[n] = exc
+            return True
+        ready: list[Message] = []
+        for n in numbers:
+            if messages[n].acknowledged:
+                errors[n] = Message.MessageStateError(
+                    f"Message already acknowledged with state: {messages[n]._state}")
+            else:
+                ready.append(messages[n])
+        try:
+            said = self._settling(channel, partial(batch, [m.delivery_tag for m in ready]))
+        except Exception as exc:  # noqa: BLE001 - handed back, per message
+            for n in numbers:
+                errors[n] = errors[n] or exc
+            return True
+        for message in ready:
+            message._state = "ACK"
+        return said is True
 
     def forget(self, message: Message) -> None:
         """Drop a message whose lease was lost (``renew`` said so) from its channel's
@@ -640,6 +662,13 @@ class _RedisDriver(_Driver):
         while (room := self.room()) > 0 and self.channel.take(room):
             took = True
         return took
+
+    def ack_and_take(self, tags: Sequence[str]) -> bool:
+        """The acks of a turn and the fetch it asked for, in one round trip (``_ACK_TAKE``);
+        raises what that round trip raised (the caller hands it to each ack). True if the
+        lists may hold more than it took (it took all it was allowed to)."""
+        room = min(max(0, self.room()), self.channel.MAX_TAKE)
+        return room > 0 and self.channel.take(room, tags) >= room
 
     def tick(self) -> None:
         """With room, and no wait armed on every list: take what is there, else arm them.

@@ -117,7 +117,8 @@ class BrokerLink:
         if self._room_grew and room.available() > 0 and (
                 starved or room.available() >= self.batch):
             self._room_grew = False
-            self.submit(_fetch, "fetching")
+            self.flush()
+            self.thread.fetch()
         elif self._urgent or len(self._acks) >= self.batch:
             self.flush()
 
@@ -262,9 +263,3 @@ class BrokerLink:
         self.connected = False
         systemd.notify(f"STATUS=broker connection lost ({exc!r}); reconnecting")
         self.on_lost_cb(exc)
-
-
-def _fetch(consumer: BrokerConsumer) -> None:
-    if consumer.connected:
-        consumer.poll()
-

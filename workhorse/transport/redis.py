@@ -88,23 +88,6 @@ class Script:
             return client.eval(self.text, len(keys), *keys, *args)
 
 
-# KEYS: unacked_index, unacked, delivery_counts. ARGV: (tag, score) pairs. For each pair,
-# remove the entry (and the message's delivery count) if the score is ours. Returns the
-# tags whose score was not ours (their lease was lost).
-_FORGET_IF_OURS = Script("""
-local lost = {}
-for i = 1, #ARGV, 2 do
-    local score = redis.call('ZSCORE', KEYS[1], ARGV[i])
-    if score and tonumber(score) == tonumber(ARGV[i + 1]) then
-        redis.call('ZREM', KEYS[1], ARGV[i])
-        redis.call('HDEL', KEYS[2], ARGV[i])
-        redis.call('HDEL', KEYS[3], ARGV[i])
-    else
-        table.insert(lost, ARGV[i])
-    end
-end
-return lost
-""")
 # A lease lost by a live worker: take back the delivery its take counted, unless the lease
 # is still ours after all, or the message is gone (acked elsewhere: its count with it).
 # KEYS: unacked_index, delivery_counts. ARGV: tag, our score ('' once we know it is lost).
@@ -119,14 +102,30 @@ if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
 end
 return 0
 """)
-# Take up to ARGV[2] messages off the lists, in order (a list is emptied before the next is
-# read), each recorded as unacked and its delivery counted, in one step. KEYS:
-# unacked_index, unacked, delivery_counts, then the lists in order. ARGV: the score, the
-# limit. Returns {position of the list, message, delivery count, delivery tag} for each,
+# Ack, then take: one round trip for a turn's acks and the next messages. First the acks:
+# for each (tag, score) pair in ARGV[4 .. 3 + 2 * ARGV[3]], remove the lease (and the
+# delivery count) if the score is ours; a lease lost meanwhile is left to its new holder.
+# Then take up to ARGV[2] (0: acks alone) messages off the lists, in order (a list is emptied before the next is read), each
+# recorded as unacked and its delivery counted, in the same step. KEYS: unacked_index,
+# unacked, delivery_counts, then the lists in order. ARGV: the score, the limit, the number
+# of ack pairs, the pairs. Returns the number of lost acks and their tags, then
+# {position of the list, message, delivery count, delivery tag} for each message taken,
 # flattened. An entry that is not kombu's JSON with a delivery tag cannot be acked or put
 # back: it is left in place, and returned last, with its list's position negated.
-_TAKE = Script("""
-local out = {}
+_ACK_TAKE = Script("""
+local out = {0}
+local acks = tonumber(ARGV[3])
+for i = 4, 3 + 2 * acks, 2 do
+    local score = redis.call('ZSCORE', KEYS[1], ARGV[i])
+    if score and tonumber(score) == tonumber(ARGV[i + 1]) then
+        redis.call('ZREM', KEYS[1], ARGV[i])
+        redis.call('HDEL', KEYS[2], ARGV[i])
+        redis.call('HDEL', KEYS[3], ARGV[i])
+    else
+        table.insert(out, ARGV[i])
+        out[1] = out[1] + 1
+    end
+end
 local limit = tonumber(ARGV[2])
 local taken = 0
 local i = 4
@@ -263,12 +262,10 @@ class QoS(redis.QoS):
         self.ack_many((delivery_tag,))
 
     def ack_many(self, tags: Sequence[str]) -> None:
-        """Ack several messages in one round trip (the broker thread's acks of one turn)."""
+        """Ack several messages in one round trip (the broker thread's acks of one turn;
+        ``Channel.take`` carries them with the next messages instead)."""
         self._forget_if_ours(tags)
-        for tag in tags:
-            self._scores.pop(tag, None)
-            self._counted.discard(tag)
-            virtual.QoS.ack(self, tag)
+        self._acked(tags, ())
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         if requeue:       # a clean hand-back: not a delivery that counts
@@ -371,6 +368,18 @@ class QoS(redis.QoS):
     def _forget_if_ours(self, tags: Sequence[str]) -> None:
         """Remove the leases of ``tags`` (and their delivery counts) where they are still
         ours, in one round trip; a lease lost meanwhile is left to its new holder."""
+        args, lost = self._ours(tags)
+        if args:        # _ACK_TAKE with nothing to take
+            reply = self.channel.run(_ACK_TAKE, (self.unacked_index_key, self.unacked_key,
+                                                 self.channel.delivery_counts_key),
+                                     ("0", 0, len(args) // 2, *args))
+            lost += _texts(reply[1:])
+        self._lost_before_settled(lost)
+
+    def _ours(self, tags: Sequence[str]) -> tuple[list[str], list[str]]:
+        """For a script that removes leases: the (tag, our score) pairs of ``tags``, and
+        the tags whose lease we know is lost. A tag not delivered through this QoS is
+        removed here as kombu removes it."""
         self._record_late()           # (an unrecorded lease is written, then removed)
         args: list[str] = []
         lost: list[str] = []
@@ -384,10 +393,18 @@ class QoS(redis.QoS):
                 lost.append(tag)
             else:
                 args += (tag, repr(score))
-        if args:
-            lost += [t.decode() if isinstance(t, bytes) else t for t in self.channel.run(
-                _FORGET_IF_OURS, (self.unacked_index_key, self.unacked_key,
-                                  self.channel.delivery_counts_key), args)]
+        return args, lost
+
+    def _acked(self, tags: Sequence[str], lost: Sequence[str]) -> None:
+        """The leases of ``tags`` are removed (or were lost): forget them here too."""
+        self._lost_before_settled(lost)
+        for tag in tags:
+            self._scores.pop(tag, None)
+            self._counted.discard(tag)
+            virtual.QoS.ack(self, tag)
+
+    @staticmethod
+    def _lost_before_settled(lost: Sequence[str]) -> None:
         for tag in lost:
             log.warning("message %s: lease lost before it was settled; the copy now delivered "
                         "elsewhere is left alone", tag)
@@ -509,20 +526,27 @@ class Channel(redis.Channel):
             cached = self._sync_client = self._create_client()
         yield cached
 
-    def take(self, limit: int = 1) -> bool:
-        """Take up to ``limit`` messages from the queues consumed here (in their order,
-        each list emptied before the next), each recorded as unacked in the same step, and
-        deliver them to their consumers. False when the queues are all empty."""
-        queues = self._queue_cycle.consume(len(self.active_queues))
-        if not queues:
-            return False
+    def take(self, limit: int = 1, acks: Sequence[str] = ()) -> int:
+        """Ack ``acks``, then take up to ``limit`` messages from the queues consumed here
+        (in their order, each list emptied before the next), each recorded as unacked in
+        the same step, and deliver them to their consumers: one round trip. Returns how
+        many were taken (an unreadable entry dead-lettered counts): 0 when the queues are
+        all empty, or ``limit`` is 0."""
+        queues = self._queue_cycle.consume(len(self.active_queues)) if limit > 0 else []
+        if not queues and not acks:
+            return 0
         keys = self.list_keys(queues)
+        pairs, lost = self.qos._ours(acks)
         score = time()
-        reply = self.run(_TAKE, (self.unacked_index_key, self.unacked_key,
-                                 self.delivery_counts_key, *keys),
-                         (repr(score), max(1, min(limit, self.MAX_TAKE))))
+        reply = self.run(_ACK_TAKE, (self.unacked_index_key, self.unacked_key,
+                                     self.delivery_counts_key, *keys),
+                         (repr(score), min(limit, self.MAX_TAKE) if keys else 0,
+                          len(pairs) // 2, *pairs))
+        nlost = int(reply[0])
+        self.qos._acked(acks, [*lost, *_texts(reply[1:1 + nlost])])
+        reply = reply[1 + nlost:]
         if not reply:
-            return False
+            return 0
         unreadable_next: tuple[str, bytes] | None = None
         taken: list[tuple[str, Any, int, str]] = []
         for n in range(0, len(reply), 4):
@@ -551,7 +575,7 @@ class Channel(redis.Channel):
             self._bury_taken(queue, tag, score, payload, why)
         if unreadable_next is not None:
             self._bury_next(*unreadable_next)
-        return True
+        return len(taken) + (unreadable_next is not None)
 
     def _queue_of(self, key: str) -> str:
         return key.rsplit(self.sep, 1)[0]
@@ -577,6 +601,10 @@ class Channel(redis.Channel):
         if buried:     # (else the lease was lost already: whoever holds it now decides)
             log.error("an unreadable message on %s (%s) was dead-lettered to %s in an "
                       "envelope: %.200r", queue, why, dead, payload)
+
+
+def _texts(values: Iterable[Any]) -> list[str]:
+    return [v.decode() if isinstance(v, bytes) else v for v in values]
 
 
 class ListWaiter:
