@@ -105,13 +105,14 @@ return 0
 # Ack, then take: one round trip for a turn's acks and the next messages. First the acks:
 # for each (tag, score) pair in ARGV[4 .. 3 + 2 * ARGV[3]], remove the lease (and the
 # delivery count) if the score is ours; a lease lost meanwhile is left to its new holder.
-# Then take up to ARGV[2] (0: acks alone) messages off the lists, in order (a list is emptied before the next is read), each
-# recorded as unacked and its delivery counted, in the same step. KEYS: unacked_index,
-# unacked, delivery_counts, then the lists in order. ARGV: the score, the limit, the number
-# of ack pairs, the pairs. Returns the number of lost acks and their tags, then
-# {position of the list, message, delivery count, delivery tag} for each message taken,
-# flattened. An entry that is not kombu's JSON with a delivery tag cannot be acked or put
-# back: it is left in place, and returned last, with its list's position negated.
+# Then take up to ARGV[2] (0: acks alone) messages off the lists, in order (a list is
+# emptied before the next is read), each recorded as unacked and its delivery counted, in
+# the same step. KEYS: unacked_index, unacked, delivery_counts, then the lists in order.
+# ARGV: the score, the limit, the number of ack pairs, the pairs. Returns the number of
+# lost acks and their tags, then {position of the list, message, delivery count, delivery
+# tag} for each message taken, flattened. An entry that is not kombu's JSON with a
+# delivery tag cannot be acked or put back: it is left in place, and returned last, with
+# its list's position negated.
 _ACK_TAKE = Script("""
 local out = {0}
 local acks = tonumber(ARGV[3])
