@@ -14,8 +14,8 @@ from workhorse.pool.ipc import (
     Done,
     FrameReader,
     Hello,
+    FrameStream,
     encode,
-    read_frame,
     write_frame,
 )
 
@@ -50,17 +50,22 @@ def test_reader_sees_eof_when_the_writer_is_gone():
     os.close(r)
 
 
-def test_blocking_read_frame_round_trip_and_eof():
+def test_blocking_frame_stream_round_trip_and_eof():
+    """The child's reader: a frame larger than a pipe (the writer loops, the reader reads
+    several times), two frames that arrive in one read, then end of file."""
     r, w = os.pipe()
     big = b"x" * 200_000   # larger than a pipe buffer: the writer must loop
     pid = os.fork()
     if pid == 0:
         os.close(r)
         write_frame(w, big)
+        os.write(w, encode("one") + encode("two"))
         os._exit(0)
     os.close(w)
-    assert read_frame(r) == big
-    assert read_frame(r) is None
+    stream = FrameStream(r)
+    assert stream.read() == big
+    assert (stream.read(), stream.read()) == ("one", "two")
+    assert stream.read() is None
     os.waitpid(pid, 0)
     os.close(r)
 

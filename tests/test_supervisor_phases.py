@@ -86,6 +86,7 @@ def test_a_second_sigint_is_a_cold_shutdown():
 
 def test_ttin_and_ttou_resize_the_pool_and_the_window_follows():
     supervisor, _, os_, consumer = running_supervisor(concurrency=2, prefetch_multiplier=3)
+    consumer.push = True                    # a broker with a credit (RabbitMQ)
     supervisor.handle_ttin()
     assert (supervisor.slots.size, supervisor.holding.window) == (3, 9)
     assert consumer.credits[-1] == 9 and len(os_.handles) == 3
@@ -146,3 +147,14 @@ def test_without_remote_control_consuming_starts_at_once():
     supervisor, _, _, consumer = running_supervisor(remote_control=False)
     supervisor._changed()
     assert consumer.rooms[-1] == supervisor.holding.window
+
+
+def test_a_broker_without_a_credit_is_sent_none():
+    """Only RabbitMQ pushes up to a credit; Redis and SQLite are never sent one (each was
+    a wakeup of the broker thread for nothing)."""
+    supervisor, _, os_, consumer = running_supervisor(concurrency=1)
+    for _ in range(3):
+        receive(supervisor, message())
+        finish(supervisor, os_, 0, supervisor.intake._seq)
+        supervisor._changed()
+    assert consumer.credits == [] and [verb for verb, _ in consumer.calls] == ["ack"] * 3

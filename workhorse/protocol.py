@@ -12,9 +12,10 @@ import os
 import reprlib
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeGuard
+from types import MappingProxyType
+from typing import Any, NamedTuple, TypeGuard
 
 from kombu.exceptions import ContentDisallowed, DecodeError
 from kombu.serialization import loads
@@ -172,10 +173,9 @@ def _optional_number(value: Any, what: str) -> float | None:
     return float(value)
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     """A task message's headers (a v1 message's, converted), read and checked; the body
-    is decoded in the child."""
+    is decoded in the child. (A named tuple: read for every message the worker takes.)"""
 
     id: str
     task: str
@@ -191,7 +191,7 @@ class Request:
     origin: str | None = None
     ignore_result: bool | None = None
     deliveries: int = 0
-    headers: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    headers: Mapping[str, Any] = MappingProxyType({})
 
 
 def parse_request(headers: Mapping[str, Any] | None) -> Request:

@@ -47,9 +47,13 @@ class Settings:
 
     def __getattr__(self, name: str) -> Any:
         try:
-            return self.__dict__["_values"][name]
+            value = self.__dict__["_values"][name]
         except KeyError:
             raise AttributeError(f"no setting named {name!r}") from None
+        # Kept as an attribute: the next read does not come here (the supervisor reads
+        # some settings for every task). The settings never change; a reload makes new.
+        self.__dict__[name] = value
+        return value
 
     def __getitem__(self, name: str) -> Any:
         return self._values[name]

@@ -21,7 +21,7 @@ class Stage(str, enum.Enum):
     SETTLED = "settled"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Delivery:
     seq: int
     queue: str

@@ -63,6 +63,7 @@ class Intake:
         #: Task events (task-received), set by the supervisor.
         self.events = TaskEvents()
         self._seq = 0
+        self._policies: dict[int, tuple[Any, Settings, Policy]] = {}
 
     def accept(self, queue: str, message: Message, deliveries: int) -> None:
         """Look at one received message and place it. ``deliveries``: its delivery count,
@@ -102,8 +103,17 @@ class Intake:
     def _delivery(self, queue: str, message: Message, request: Request,
                   task: Any) -> Delivery:
         self._seq += 1
-        return Delivery(self._seq, queue, message, request, task,
-                        task_policy(task, self.current.settings), received=self.clock())
+        return Delivery(self._seq, queue, message, request, task, self._policy(task),
+                        received=self.clock())
+
+    def _policy(self, task: Any) -> Policy:
+        """``task_policy``, made once per task and settings in force (a reload replaces
+        both, and so this)."""
+        settings = self.current.settings
+        cached = self._policies.get(id(task))
+        if cached is None or cached[0] is not task or cached[1] is not settings:
+            cached = self._policies[id(task)] = (task, settings, task_policy(task, settings))
+        return cached[2]
 
     def _malformed(self, queue: str, message: Message, reason: str) -> None:
         """Dead-letter it; if it gives a task id, FAILURE(MalformedMessage) is stored under

@@ -60,6 +60,7 @@ class BrokerLink:
         self._urgent = False
         self._ack_timer: Timer | None = None
         self._room_grew = False
+        self._room_said: tuple[int, int] | None = None
         self.thread = BrokerThread(app, queues, self.inbox.put, self._message,
                                    self._connected, self._lost, on_gave_up, prefetch,
                                    max_retries, retry_on_startup)
@@ -111,15 +112,19 @@ class BrokerLink:
         """Free places in the window (0: take nothing). More room than before wakes the
         broker thread to fetch: at once if ``starved`` (nothing is buffered for a child),
         else once ``batch`` places are free, so that one round trip takes several."""
-        room = self.thread.room
-        if room.update(free, self.received):
-            self._room_grew = True          # since the last fetch
-        if self._room_grew and room.available() > 0 and (
-                starved or room.available() >= self.batch):
-            self._room_grew = False
-            self.flush()
-            self.thread.fetch()
-        elif self._urgent or len(self._acks) >= self.batch:
+        said = (free, self.received)
+        if said != self._room_said:     # (the same count again cannot be more room)
+            self._room_said = said
+            if self.thread.room.update(free, self.received):
+                self._room_grew = True          # since the last fetch
+        if self._room_grew:
+            available = self.thread.room.available()
+            if available > 0 and (starved or available >= self.batch):
+                self._room_grew = False
+                self.flush()
+                self.thread.fetch()
+                return
+        if self._urgent or len(self._acks) >= self.batch:
             self.flush()
 
     def set_credit(self, count: int) -> None:

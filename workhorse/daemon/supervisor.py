@@ -178,7 +178,8 @@ class Supervisor:
     def _changed(self) -> None:
         """Something held changed: the broker's credit and the broker thread's room follow."""
         now = self.system.monotonic()
-        self.link.set_credit(self.holding.credit(now))
+        if self.link.push:          # only a broker that pushes (RabbitMQ) has a credit
+            self.link.set_credit(self.holding.credit(now))
         free = self.holding.window - self.holding.held
         self.link.set_room(free if self._accepting() and self._revokes_known
                            and now >= self.holding.paused_until else 0,

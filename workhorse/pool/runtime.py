@@ -22,19 +22,20 @@ import traceback
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-import psutil
 import setproctitle
 from billiard.util import set_pdeathsig
 
 from ..logs import reopen_logfile
 from .execute import TaskExecution
-from .ipc import MAX_DETAIL, Done, Hello, Job, Stop, read_frame, write_frame
+from .ipc import MAX_DETAIL, Done, FrameStream, Hello, Job, Stop, write_frame
 from .limits import SOFT_LIMIT_SIGNAL, SoftLimit, signals_blocked
 
 if TYPE_CHECKING:
     from ..app import App
 
 log = logging.getLogger("workhorse.child")
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 #: Signals the supervisor handles; blocked across fork() so none lands between fork and
 #: the child installing its own dispositions.
@@ -58,13 +59,19 @@ class ChildRuntime:
         self.current = ""                    # the running task's label, for logs
         # Set in setup(), after fork: made here they would name the supervisor.
         self.pid = 0
-        self.process: psutil.Process | None = None
+        #: /proc/self/statm, kept open: the RSS is read after every task (one pread).
+        self._statm: int | None = None
+        self._frames: FrameStream | None = None
 
     # -- setup
     def setup(self, close_fds: list[int]) -> None:
         """Fork hygiene: own group, die with the supervisor, own signals, no supervisor fds."""
         self.pid = os.getpid()
-        self.process = psutil.Process(self.pid)
+        try:
+            self._statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._statm = None          # no /proc: RSS reads as 0, memory is not checked
+        self._frames = FrameStream(self.read_fd)
         os.register_at_fork(after_in_child=self._unplug_forked_copy)
         os.setpgid(0, 0)
         set_pdeathsig(signal.SIGKILL)
@@ -146,8 +153,9 @@ class ChildRuntime:
     # -- main loop
     def run(self) -> int:
         self.send(Hello(self.pid))
+        frames = self._frames or FrameStream(self.read_fd)
         while True:
-            frame = read_frame(self.read_fd)
+            frame = frames.read()
             if frame is None or isinstance(frame, Stop):
                 return 0
             if isinstance(frame, Job):
@@ -166,15 +174,17 @@ class ChildRuntime:
         self.set_title(f"running {self.current}")
         finished = execution.run()
         detail = None if finished.detail is None else finished.detail[:MAX_DETAIL]
-        return Done(os.getpid(), job.seq, finished.outcome.value, detail, self.rss(),
+        return Done(self.pid, job.seq, finished.outcome.value, detail, self.rss(),
                     finished.runtime, finished.result and finished.result[:MAX_DETAIL],
                     finished.traceback and finished.traceback[:MAX_DETAIL])
 
     def rss(self) -> int:
         """This child's resident set size in bytes (0 if it cannot be read)."""
+        if self._statm is None:
+            return 0
         try:
-            return self.process.memory_info().rss if self.process else 0
-        except psutil.Error:
+            return int(os.pread(self._statm, 64, 0).split()[1]) * PAGE_SIZE
+        except (OSError, ValueError, IndexError):
             return 0
 
 
