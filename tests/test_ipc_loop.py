@@ -5,6 +5,7 @@ import os
 import signal
 import struct
 import time
+import types
 
 from workhorse.daemon.loop import Loop
 from workhorse.daemon.signals import SignalPipe
@@ -268,3 +269,57 @@ def test_a_turns_acks_and_fetches_go_together_after_its_other_commands_in_order(
     thread.fetch()
     thread._run_commands()
     assert calls == [("ack_many", [], True)]
+
+
+def test_a_new_connections_socket_that_reuses_an_old_number_is_watched():
+    """The broker thread's selector listed the closed socket's number; the new connection's
+    socket got the same number, and was never registered with epoll: the thread slept
+    through RabbitMQ's deliveries (the chaos suite's stalled workers). Each connection's
+    sockets are registered afresh."""
+    import socket
+
+    from workhorse.daemon import brokerthread
+    from workhorse.daemon.loop import Loop
+    thread = brokerthread.BrokerThread.__new__(brokerthread.BrokerThread)
+    thread.loop = Loop()
+    thread.consumer = types.SimpleNamespace(on_readable=lambda fd: None)
+    thread._watched, thread._watched_generation = set(), -1
+    old, old_peer = socket.socketpair()
+    number = old.fileno()
+    thread._watch({number}, generation=1)
+    old.close()                             # the connection is gone; epoll forgets it
+    new, new_peer = socket.socketpair()     # the next connection gets the same number
+    if new.fileno() != number:
+        os.dup2(new.fileno(), number)
+        new.close()
+        new = socket.socket(fileno=number)
+    try:
+        thread._watch({number}, generation=2)
+        new_peer.send(b"deliver")
+        events = thread.loop.wait(2.0)
+        assert [key.fd for key, _ in events] == [number], "the new socket is watched"
+    finally:
+        for s in (new, old_peer, new_peer):
+            s.close()
+        thread.loop.close()
+
+
+def test_a_message_the_loop_never_gets_gives_its_place_in_the_window_back():
+    """RabbitMQ's redelivery after a loss is replaced by a counted copy, not handed to the
+    loop: the place it took is free again (each one used to shrink the room for good)."""
+    from workhorse.daemon import brokerthread
+    thread = brokerthread.BrokerThread.__new__(brokerthread.BrokerThread)
+    thread.room = brokerthread.Room()
+    thread.room.update(8, 0)
+    thread._arrived = []
+    thread.on_message = lambda queue, message, deliveries: None
+    posted: list = []
+    thread.post = posted.append
+    replaced = {"b"}
+    thread.consumer = types.SimpleNamespace(
+        count_delivery=lambda queue, message: None if message in replaced else 1)
+    for message in "abc":
+        thread._received("q", message)
+    assert thread.room.available() == 5
+    thread._hand_over()
+    assert thread.room.available() == 6 and len(posted) == 1

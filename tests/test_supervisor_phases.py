@@ -14,7 +14,9 @@ from workhorse.pool.ipc import Done, Job, Stop
 pytestmark = pytest.mark.timeout(10)
 
 
-def running_supervisor(**settings):
+def running_supervisor(revokes_known: bool = True, **settings):
+    """A supervisor past its start; ``revokes_known``: remote control has read the revokes
+    kept in the result store (else it consumes nothing yet)."""
     clock = FakeClock()
     os_ = FakeOS(clock)
     consumer = FakeLink()
@@ -24,6 +26,8 @@ def running_supervisor(**settings):
     for child in list(supervisor.slots.children()):
         supervisor.slots.on_readable(child)          # Hello
     supervisor.phase = Phase.RUNNING
+    if revokes_known:
+        supervisor._revokes_known = True
     return supervisor, clock, os_, consumer
 
 
@@ -125,7 +129,7 @@ def test_a_failing_reload_keeps_everything_as_it_was():
 def test_nothing_is_consumed_until_the_revokes_kept_in_the_store_are_known():
     """A worker started after a revoke must not take (and run) the revoked task before
     remote control has read the revokes kept in the result store."""
-    supervisor, clock, _, consumer = running_supervisor(remote_control=True)
+    supervisor, clock, _, consumer = running_supervisor(revokes_known=False, remote_control=True)
     supervisor._changed()
     assert consumer.rooms[-1] == 0
     supervisor._revokes_read({"id:gone": time.time() + 60})
@@ -134,7 +138,7 @@ def test_nothing_is_consumed_until_the_revokes_kept_in_the_store_are_known():
 
 
 def test_a_store_that_cannot_say_what_was_revoked_delays_consuming_only_so_long():
-    supervisor, clock, _, consumer = running_supervisor(remote_control=True)
+    supervisor, clock, _, consumer = running_supervisor(revokes_known=False, remote_control=True)
     supervisor._start_timers()
     clock.advance(supervisor.loop, REVOKES_READ_WAIT - 0.1)
     supervisor._changed()
@@ -158,3 +162,18 @@ def test_a_broker_without_a_credit_is_sent_none():
         finish(supervisor, os_, 0, supervisor.intake._seq)
         supervisor._changed()
     assert consumer.credits == [] and [verb for verb, _ in consumer.calls] == ["ack"] * 3
+
+
+def test_messages_a_broker_pushes_before_the_revokes_are_known_wait_for_them():
+    """RabbitMQ pushes up to its credit without being asked: what arrives before remote
+    control has read the revokes kept in the store waits, held, and a revoked one among
+    them is never started."""
+    supervisor, _, os_, consumer = running_supervisor(revokes_known=False, remote_control=True)
+    revoked, kept = message(), message()
+    receive(supervisor, revoked, kept)
+    assert os_.handles[0].sent == [] and supervisor.holding.held == 2
+    supervisor._revokes_read({f"id:{revoked.headers['id']}": time.time() + 60})
+    supervisor._after_events()
+    jobs = [frame for handle in os_.handles for frame in handle.sent]
+    assert [job.headers["id"] for job in jobs] == [kept.headers["id"]]
+    assert consumer.calls == [("ack", revoked.headers["id"])]

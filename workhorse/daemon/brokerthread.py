@@ -154,6 +154,13 @@ class Room:
         with self._lock:
             self._taken += 1
 
+    def gave_back(self) -> None:
+        """A message taken (``took``) that the loop will never receive (RabbitMQ's
+        redelivery replaced by a counted copy): its place is free again. Without this, each
+        one shrank the room for good, until a worker took nothing more."""
+        with self._lock:
+            self._taken -= 1
+
 
 class BrokerThread:
     """Connects (with back-off, from the start), consumes, settles, renews, reconnects.
@@ -195,6 +202,9 @@ class BrokerThread:
         self._blocked = 0
         #: Messages kombu handed over during the call running now (a drain, a connect).
         self._arrived: list[tuple[str, Message]] = []
+        #: The consumer's sockets the loop watches, and the connection they belong to.
+        self._watched: set[int] = set()
+        self._watched_generation = -1
 
     # ------------------------------------------------------------------ loop thread's API
     def submit(self, command: Command, what: str = "") -> None:
@@ -275,17 +285,29 @@ class BrokerThread:
 
     def _prepare(self) -> None:
         consumer = self.consumer
-        if consumer.connected:
-            consumer.tick()
-            self._watch(consumer.fds())
+        if not consumer.connected:
+            self._watch(set(), consumer.generation)
+            return
+        consumer.tick()
+        self._watch(consumer.fds(), consumer.generation)
 
-    def _watch(self, fds: set[int]) -> None:
-        current = {key.fd for key in self.loop.selector.get_map().values()
-                   if key.fd != self.commands.read_fd}
-        for fd in current - fds:
+    def _watch(self, fds: set[int], generation: int) -> None:
+        """Watch exactly ``fds``, the sockets of connection ``generation``. A socket of a
+        new connection may get the number of one closed with the old: epoll forgot the old
+        socket when it was closed, but the selector still lists its number, and a number
+        already listed would never be registered again (so the broker thread slept
+        through the new connection's deliveries). Each connection's sockets are
+        registered afresh."""
+        if generation != self._watched_generation:
+            for fd in self._watched:
+                self.loop.remove_reader(fd)
+            self._watched = set()
+            self._watched_generation = generation
+        for fd in self._watched - fds:
             self.loop.remove_reader(fd)
-        for fd in fds - current:
+        for fd in fds - self._watched:
             self.loop.add_reader(fd, partial(self.consumer.on_readable, fd))
+        self._watched = set(fds)
 
     def _run_commands(self) -> None:
         acks: list[Ack] = []
@@ -389,6 +411,8 @@ class BrokerThread:
             deliveries = self.consumer.count_delivery(queue_name, message)
             if deliveries is not None:
                 counted.append((queue_name, message, deliveries))
+            else:       # the loop never gets it: the place it took in the window is free
+                self.room.gave_back()
         if counted:
             self.post(partial(_each, self.on_message, counted))
 

@@ -397,6 +397,8 @@ class Supervisor:
 
     def _accept_received(self) -> None:
         inbox = self.holding.inbox
+        if not self._revokes_known and self._accepting():
+            return      # RabbitMQ pushes before we ask: they wait, held, for the revokes
         while inbox:
             queue, message, deliveries = inbox.popleft()
             if self._accepting():
