@@ -168,6 +168,17 @@ def test_one_take_leases_up_to_its_limit_in_order_and_delivers_them_all(tmp_path
             assert message.delivery_info["delivery_count"] == 1
             message.ack()
         assert Store(tmp_path / "broker.sqlite3").browse("x") == []
+        # A turn's acks travel with its next take, in the same transaction; and alone.
+        for n in (5, 6, 7):
+            producer.publish({"n": n}, routing_key="x", exchange="")
+        assert channel.take(2) == 2
+        assert channel.take(2, acks=[m.delivery_tag for m in got[4:]]) == 1
+        assert [m.payload["n"] for m in got[4:]] == [5, 6, 7]
+        left = Store(tmp_path / "broker.sqlite3").browse("x")
+        assert [(row[0], row[3]) for row in left] == [
+            (int(got[6].delivery_tag.split(":")[0]), True)]       # 5 and 6 acked, 7 leased
+        assert channel.take(0, acks=[got[6].delivery_tag]) == 0
+        assert Store(tmp_path / "broker.sqlite3").browse("x") == []
 
 
 def test_renew_extends_a_lease_and_reports_the_lost_ones(tmp_path):

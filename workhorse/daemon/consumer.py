@@ -359,8 +359,8 @@ class BrokerConsumer:
         for n, message in enumerate(messages):
             by_channel.setdefault(message.channel, []).append(n)
         driver = self.driver if self.consuming else None
-        combined = (driver.ack_and_take if fetch and isinstance(driver, _RedisDriver)
-                    else None)
+        combined = (driver.ack_and_take if fetch and driver is not None
+                    and driver.takes_with_acks else None)
         more = True         # may a fetch still find messages?
         for channel, numbers in by_channel.items():
             if combined is not None and channel is getattr(driver, "channel", None):
@@ -577,6 +577,20 @@ def _drain(connection: Connection, max_messages: int = 1000) -> None:
 class _Driver:
     """How the loop watches and reads one kind of broker connection."""
 
+    #: Set by the drivers that take with ``channel.take(limit, acks)`` (Redis, SQLite).
+    channel: Any = None
+    room: Callable[[], int]
+    #: Those drivers: the acks of a turn and its fetch in one round trip (see below).
+    takes_with_acks = False
+
+    def ack_and_take(self, tags: Sequence[str]) -> bool:
+        """The acks of a turn and the fetch it asked for, in one round trip (Redis: one
+        script; SQLite: one transaction), the acks sent even when there is no room now.
+        Raises what that round trip raised (the caller hands it to each ack). True if the
+        queues may hold more than it took (it took all it was allowed to)."""
+        room = min(max(0, self.room()), self.channel.MAX_TAKE)
+        return self.channel.take(room, tags) >= room > 0
+
     #: The broker pushes messages up to a QoS credit (AMQP); others are fetched by kombu
     #: only while the channel's QoS says it can consume.
     push = False
@@ -647,6 +661,8 @@ class _RedisDriver(_Driver):
     #: waiter silent well past this is a dead connection).
     WAIT_TIMEOUT = 10
 
+    takes_with_acks = True
+
     def __init__(self, connection: Connection, channel: Any,
                  room: Callable[[], int]) -> None:
         super().__init__(connection)
@@ -663,12 +679,6 @@ class _RedisDriver(_Driver):
             took = True
         return took
 
-    def ack_and_take(self, tags: Sequence[str]) -> bool:
-        """The acks of a turn and the fetch it asked for, in one round trip (``_ACK_TAKE``);
-        raises what that round trip raised (the caller hands it to each ack). True if the
-        lists may hold more than it took (it took all it was allowed to)."""
-        room = min(max(0, self.room()), self.channel.MAX_TAKE)
-        return room > 0 and self.channel.take(room, tags) >= room
 
     def tick(self) -> None:
         """With room, and no wait armed on every list: take what is there, else arm them.
@@ -742,6 +752,8 @@ class _TakingDriver(_PolledDriver):
     delivers them at once (``Channel.take``), instead of kombu's one message (and one
     commit) per fetch. Publishers wake it (``transport.wake``); where that cannot be set up
     (the broker file's directory read-only), it is polled every POLL_INTERVAL."""
+
+    takes_with_acks = True
 
     def __init__(self, connection: Connection, channel: Any,
                  room: Callable[[], int]) -> None:

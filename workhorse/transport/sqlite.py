@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from queue import Empty
 from typing import Any
 
@@ -139,18 +139,22 @@ class Channel(virtual.Channel):
     MAX_TAKE = 64
     _rotation = 0
 
-    def take(self, limit: int = 1) -> bool:
-        """Lease up to ``limit`` messages from the queues consumed here in one transaction
-        (the queues in turn, each emptied before the next) and deliver them all to their
-        consumers at once, so none waits here unseen. False when there was none."""
-        queues = list(self._active_queues)
-        if not queues or limit <= 0:
-            return False
-        start = self._rotation % len(queues)
+    def take(self, limit: int = 1, acks: Sequence[str] = ()) -> int:
+        """Ack ``acks``, then lease up to ``limit`` messages from the queues consumed here,
+        in one transaction (the queues in turn, each emptied before the next), and deliver
+        them all to their consumers at once, so none waits here unseen. Returns how many
+        were taken (0: none, or ``limit`` is 0)."""
+        queues = list(self._active_queues) if limit > 0 else []
+        if not queues and not acks:
+            return 0
+        start = self._rotation % len(queues) if queues else 0
         taken = self.store.lease_many(queues[start:] + queues[:start], self.visibility_timeout,
-                                      min(limit, self.MAX_TAKE))
+                                      min(limit, self.MAX_TAKE) if queues else 0,
+                                      [parse_tag(tag) for tag in acks])
+        for tag in acks:
+            virtual.QoS.ack(self.qos, tag)
         if not taken:
-            return False
+            return 0
         self._rotation = queues.index(taken[-1][0]) + 1 if taken[-1][0] in queues else 0
         unreadable_taken = []
         for queue, ident, token, payload, deliveries in taken:   # delivered first, buried after
@@ -162,7 +166,7 @@ class Channel(virtual.Channel):
                                          queue)
         for queue, lease, payload, why in unreadable_taken:
             self._bury(queue, lease, payload, why)
-        return True
+        return len(taken)
 
     def _leased(self, message: dict[str, Any], ident: int, token: str,
                 deliveries: int) -> dict[str, Any]:

@@ -203,18 +203,23 @@ class Store:
             return None
         return int(row[0]), token, row[1], int(row[2])
 
-    def lease_many(self, queues: list[str], visibility_timeout: float,
-                   limit: int) -> list[tuple[str, int, str, str, int]]:
-        """Take up to ``limit`` available messages, from ``queues`` in order (each emptied
-        before the next), in one transaction: (queue, id, token, payload, deliveries) each,
-        in the order they are to be delivered."""
+    def lease_many(self, queues: list[str], visibility_timeout: float, limit: int,
+                   acks: Iterable[Lease] = ()) -> list[tuple[str, int, str, str, int]]:
+        """Ack ``acks`` (as ``ack_many``), then take up to ``limit`` available messages,
+        from ``queues`` in order (each emptied before the next), in one transaction:
+        (queue, id, token, payload, deliveries) each, in the order they are to be
+        delivered."""
         now = time.time()
         taken: list[tuple[str, int, str, str, int]] = []
         with self._session() as conn:
             assert self._opened is not None
             # One random token per batch; the message id makes each lease's its own.
             batch = self._opened.prefix + secrets.token_hex(8) + "."
+            live = [lease for lease in acks if not self._gone_with_old_file(lease)]
             with sqlitedb.immediate(conn):
+                if live:
+                    conn.executemany("DELETE FROM messages WHERE id = ? AND lease_token = ?",
+                                     live)
                 for queue in queues:
                     if len(taken) >= limit:
                         break
