@@ -4,8 +4,11 @@ through ``workhorse inspect``."""
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
+import threading
+import time
 import uuid
 
 import pytest
@@ -184,6 +187,62 @@ def test_children_are_forked_only_while_the_control_thread_is_parked():
     thread.join(10)
     with parked(thread, gate) as free:
         assert free
+
+
+class _SlowGate:
+    """A fork gate whose release takes ``delay``: the control thread descheduled each time
+    it is about to wait for commands (a loaded machine)."""
+
+    def __init__(self, delay: float) -> None:
+        self._lock = threading.Lock()
+        self.delay = delay
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        time.sleep(self.delay)
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def test_a_command_sent_as_soon_as_the_worker_is_ready_reaches_it(broker, client):
+    """The worker says it is ready once remote control has read the revokes kept in the
+    store. A command sent right then must arrive even if the control thread is descheduled
+    before it waits: on Redis, whose mailbox is pub/sub, kombu subscribed only when it first
+    waited, and such a command was lost (the two CI failures of stop 21)."""
+    from workhorse.daemon.control import ControlThread
+    commands: queue.SimpleQueue[str] = queue.SimpleQueue()
+    revokes_read: queue.SimpleQueue[object] = queue.SimpleQueue()
+
+    class Recording(ControlThread):
+        def answer(self, method: str, arguments: dict) -> object:
+            commands.put(method)
+            return "noted"
+
+    hostname = f"ready-{uuid.uuid4().hex[:8]}@test"
+    thread = Recording(client, hostname, view=lambda: None, steerable=None,  # type: ignore[arg-type]
+                       revokes_read=revokes_read.put, where=broker.kind)
+    thread.gate = _SlowGate(0.5)        # type: ignore[assignment]
+    thread.thread.start()
+    try:
+        def ready() -> bool:            # the loop's part: run what the thread posts
+            thread.run_posted()
+            return not revokes_read.empty()
+        wait_until(ready, 30, "the revokes read (the worker's ready)")
+        celery_app(broker).control.broadcast("ping", destination=[hostname])
+        assert commands.get(timeout=10) == "ping"
+    finally:
+        thread.stop(10)
+        assert not thread.thread.is_alive()
 
 
 def test_pool_time_limit_and_shutdown_through_celerys_client_and_workhorses_cli(

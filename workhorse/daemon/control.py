@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
+import uuid
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -36,6 +38,11 @@ log = logging.getLogger("workhorse.control")
 
 #: How long a command waits for the loop thread's snapshot before it answers an error.
 ASK_TIMEOUT = 1.0
+#: A (re)connecting control thread sends itself this note until one comes back (every
+#: ``NOTE_INTERVAL``, at most ``LISTEN_TIMEOUT``): then a command sent to it is not missed.
+LISTENING_NOTE = "workhorse_listening"
+NOTE_INTERVAL = 0.1
+LISTEN_TIMEOUT = 5.0
 
 
 class ControlThread(ServiceThread):
@@ -67,7 +74,8 @@ class ControlThread(ServiceThread):
         with self.app.connection() as connection:
             connection.ensure_connection(max_retries=1)
             channel = connection.channel()
-            node = _Node(self, self.mailbox(connection), channel)
+            mailbox = self.mailbox(connection)
+            node = _Node(self, mailbox, channel)
             try:
                 # Commands sent while this worker was away (a stored mailbox queue:
                 # SQLite) are not for it: a restart must not replay them.
@@ -81,17 +89,48 @@ class ControlThread(ServiceThread):
                         "give each worker a name of its own (hostname, -n)") from exc
                 raise
             # Listening first: a revoke sent from now on reaches this worker, one sent
-            # before is in the store; the log line before the revokes reach the loop.
+            # before is in the store; the log line before the revokes reach the loop (the
+            # worker says it is ready only then).
+            self._confirm_listening(connection, mailbox, node)
             log.info("remote control: answering on %s as %s", self.where, self.hostname)
             self._load_revoked()
             while not self.stopping:
-                self.gate.release()
-                try:
-                    connection.drain_events(timeout=1.0)
-                except TimeoutError:
-                    pass
-                finally:
-                    self.gate.acquire()
+                self._wait(connection, 1.0)
+
+    def _wait(self, connection: Any, timeout: float) -> None:
+        """Deliver the commands that come within ``timeout``, parked meanwhile."""
+        self.gate.release()
+        try:
+            connection.drain_events(timeout=timeout)
+        except TimeoutError:
+            pass
+        finally:
+            self.gate.acquire()
+
+    def _confirm_listening(self, connection: Any, mailbox: pidbox.Mailbox, node: _Node
+                           ) -> None:
+        """Return once a command sent now reaches this worker, or after ``LISTEN_TIMEOUT``.
+
+        On Redis the mailbox is pub/sub, and kombu sends its PSUBSCRIBE only when it first
+        waits for events: a broadcast published before Redis has the subscription reaches
+        no one, and a worker that had said it was ready would miss it. A note to itself,
+        sent until one comes back, proves the whole path (RabbitMQ's and SQLite's mailboxes
+        are queues, declared already: the first note comes back)."""
+        ticket = uuid.uuid4().hex
+        node.awaited = ticket
+        deadline = time.monotonic() + LISTEN_TIMEOUT
+        self._wait(connection, 0)               # Redis: subscribes
+        while node.awaited is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("remote control: a note sent to its own mailbox did not come "
+                            "back within %.0f s; a command sent now may be missed",
+                            LISTEN_TIMEOUT)
+                node.awaited = None
+                return
+            mailbox._broadcast(LISTENING_NOTE, {"ticket": ticket},
+                                    destination=[self.hostname])
+            self._wait(connection, min(left, NOTE_INTERVAL))
 
     def answer(self, method: str, arguments: dict[str, Any]) -> Any:
         """A command's reply (control thread): an inspect command's from the snapshot asked
@@ -170,6 +209,8 @@ class _Node(pidbox.Node):
     def __init__(self, owner: ControlThread, mailbox: pidbox.Mailbox, channel: Any) -> None:
         super().__init__(owner.hostname, mailbox=mailbox, channel=channel)
         self.owner = owner
+        #: The ticket of the note to itself ``_confirm_listening`` waits for.
+        self.awaited: str | None = None
 
     def dispatch(self, method: str, arguments: Any = None, reply_to: Any = None,
                  ticket: Any = None, **kwargs: Any) -> Any:
@@ -193,6 +234,10 @@ class _Node(pidbox.Node):
         if (not isinstance(body, dict) or not isinstance(body.get("method"), str)
                 or not isinstance(body.get("arguments") or {}, dict)):
             log.warning("remote control: dropped a malformed command: %.200r", body)
+            return None
+        if body["method"] == LISTENING_NOTE:        # a note to itself, not a command
+            if (body.get("arguments") or {}).get("ticket") == self.awaited:
+                self.awaited = None
             return None
         try:
             return super().handle_message(body, message)

@@ -145,6 +145,9 @@ class Supervisor:
         #: Nothing is consumed until the revokes kept in the result store are known, so a
         #: worker started after a revoke never runs the revoked task (as Celery's mingle).
         self._revokes_known = self.control is None
+        #: "ready" is said once per broker connection, when it is consuming (connected,
+        #: and the revokes known: remote control answers by then).
+        self._ready_said = False
         #: Prometheus metrics, when served.
         self.metrics: Metrics | None = None
         self.metrics_server: MetricsServer | None = None
@@ -241,6 +244,7 @@ class Supervisor:
         self.intake.revoked.merge(entries)
         if not self._revokes_known:
             self._revokes_known = True
+            self._say_ready()
             self._changed()
 
     def _revokes_overdue(self) -> None:
@@ -365,9 +369,15 @@ class Supervisor:
     def _connected(self) -> None:
         if self.metrics is not None:
             self.metrics.broker_connections += 1
-        log.info("ready: consuming %s", ", ".join(self.link.queues))
+        self._ready_said = False
+        self._say_ready()
         self.leases.renew()         # before the new connection's sweep can take our leases
         self._changed()
+
+    def _say_ready(self) -> None:
+        if self.link.connected and self._revokes_known and not self._ready_said:
+            self._ready_said = True
+            log.info("ready: consuming %s", ", ".join(self.link.queues))
 
     def _broker_lost(self, exc: BaseException) -> None:
         """Running tasks go on; what is only buffered or scheduled is the broker's again if
