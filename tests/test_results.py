@@ -476,3 +476,43 @@ def test_a_store_that_cannot_say_whether_an_idempotent_task_may_run_does_not_cou
     assert result.get(timeout=60) == result.id
     assert starts(tmp_path, result.id) == 1
     assert broker.queue_size(broker.queue + ".dead") == 0
+
+
+def test_a_result_stored_while_the_subscription_is_on_its_way_is_seen(monkeypatch):
+    """Fault: Redis takes a waiting client's SUBSCRIBE only after that client's GET and
+    after the worker has stored and published the result (two connections: nothing orders
+    them). The client must read only once Redis has confirmed the subscription, or it waits
+    for a publish that already went."""
+    import uuid
+
+    from redis.client import PubSub
+
+    from workhorse.backends.redis import RedisBackend
+    require_service("Redis", 6379)
+    backend = RedisBackend(REDIS_RESULTS)
+    late: list[tuple[PubSub, tuple]] = []
+    subscribe, get_message = PubSub.subscribe, PubSub.get_message
+
+    def arrives_late(self: PubSub, *channels: object, **kwargs: object) -> None:
+        late.append((self, channels))
+
+    def get_message_late(self: PubSub, *args: object, **kwargs: object) -> object:
+        while late:
+            pubsub, channels = late.pop()
+            subscribe(pubsub, *channels)
+        return get_message(self, *args, **kwargs)
+    monkeypatch.setattr(PubSub, "subscribe", arrives_late)
+    monkeypatch.setattr(PubSub, "get_message", get_message_late)
+    read = backend._get
+
+    def read_then_store(task_id: str) -> str | None:
+        value = read(task_id)
+        if value is None:
+            backend.mark_as_done(task_id, 42)       # the worker, right after the read
+        return value
+    monkeypatch.setattr(backend, "_get", read_then_store)
+    try:
+        meta = backend.wait_for(str(uuid.uuid4()), timeout=5)
+        assert (meta["status"], meta["result"]) == (SUCCESS, 42)
+    finally:
+        backend.close()

@@ -183,21 +183,27 @@ class RedisBackend(Backend):
 
     def wait_for(self, task_id: str, timeout: float | None = None,
                  interval: float = 0.5) -> dict[str, Any]:
-        """Subscribe, read once, then wait for the publish; no polling loop."""
+        """Subscribe, read once Redis has confirmed the subscription, then wait for the
+        publish; no polling loop. (Read before the confirmation, a result stored between the
+        read and the moment Redis takes the SUBSCRIBE would never be seen.)"""
         deadline = None if timeout is None else time.monotonic() + timeout
         channel = self.key(task_id)
         while True:
             pubsub = None
             try:
-                pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+                pubsub = self.client.pubsub()
                 pubsub.subscribe(channel)
-                meta = self.get_task_meta(task_id)
-                while meta["status"] not in READY_STATES:
+                meta: dict[str, Any] | None = None      # not read yet
+                while meta is None or meta["status"] not in READY_STATES:
                     wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
                     if wait <= 0:
                         raise TimeoutError(f"task {task_id} not ready after {timeout} s")
                     message = pubsub.get_message(timeout=wait)
-                    if message is not None and message["type"] == "message":
+                    if message is None:
+                        continue
+                    if message["type"] == "subscribe":
+                        meta = self.get_task_meta(task_id)
+                    elif message["type"] == "message":
                         meta = loads(message["data"])
                 return meta
             except (redis.ConnectionError, redis.TimeoutError) as exc:
