@@ -329,13 +329,13 @@ def test_a_turns_acks_are_sent_even_when_its_fetch_finds_no_room():
     """The window filled between the loop asking for a fetch and the broker thread
     carrying it out: the acks still go (with a take of nothing), and the consumer is told
     there may be more to take only when the take was full."""
-    from workhorse.daemon.consumer import _Driver
+    from workhorse.daemon.consumer import _TakingDriver
     calls: list[tuple[int, list[str]]] = []
-    driver = _Driver.__new__(_Driver)
-    driver.channel = types.SimpleNamespace(
-        MAX_TAKE=64, take=lambda limit, acks: calls.append((limit, list(acks))) or limit)
-    driver.room = lambda: 0
+    room = [0]
+    driver = _TakingDriver(types.SimpleNamespace(), types.SimpleNamespace(  # type: ignore[arg-type]
+        MAX_TAKE=64, take=lambda limit, acks: calls.append((limit, list(acks))) or limit),
+        lambda: room[0])
     assert driver.ack_and_take(["t1", "t2"]) is False
-    driver.room = lambda: 3
+    room[0] = 3
     assert driver.ack_and_take(["t3"]) is True
     assert calls == [(0, ["t1", "t2"]), (3, ["t3"])]

@@ -279,7 +279,7 @@ class BrokerConsumer:
     @property
     def polled(self) -> bool:
         """True for brokers with no socket to watch (SQLite, memory): call ``poll()``."""
-        return isinstance(self.driver, _PolledDriver)
+        return self.driver is not None and self.driver.polled
 
     def poll(self) -> None:
         if self.driver is not None and self.consuming:
@@ -359,11 +359,11 @@ class BrokerConsumer:
         for n, message in enumerate(messages):
             by_channel.setdefault(message.channel, []).append(n)
         driver = self.driver if self.consuming else None
-        combined = (driver.ack_and_take if fetch and driver is not None
-                    and driver.takes_with_acks else None)
+        taking = driver if fetch and isinstance(driver, _TakingDriver) else None
+        combined = taking.ack_and_take if taking is not None else None
         more = True         # may a fetch still find messages?
         for channel, numbers in by_channel.items():
-            if combined is not None and channel is getattr(driver, "channel", None):
+            if combined is not None and taking is not None and channel is taking.channel:
                 more = self._ack_batch(channel, combined, messages, numbers, errors)
                 combined = None
             else:
@@ -577,20 +577,8 @@ def _drain(connection: Connection, max_messages: int = 1000) -> None:
 class _Driver:
     """How the loop watches and reads one kind of broker connection."""
 
-    #: Set by the drivers that take with ``channel.take(limit, acks)`` (Redis, SQLite).
-    channel: Any = None
-    room: Callable[[], int]
-    #: Those drivers: the acks of a turn and its fetch in one round trip (see below).
-    takes_with_acks = False
-
-    def ack_and_take(self, tags: Sequence[str]) -> bool:
-        """The acks of a turn and the fetch it asked for, in one round trip (Redis: one
-        script; SQLite: one transaction), the acks sent even when there is no room now.
-        Raises what that round trip raised (the caller hands it to each ack). True if the
-        queues may hold more than it took (it took all it was allowed to)."""
-        room = min(max(0, self.room()), self.channel.MAX_TAKE)
-        return self.channel.take(room, tags) >= room > 0
-
+    #: No socket to watch (SQLite, memory): the loop calls ``poll()`` on a timer.
+    polled = False
     #: The broker pushes messages up to a QoS credit (AMQP); others are fetched by kombu
     #: only while the channel's QoS says it can consume.
     push = False
@@ -651,7 +639,36 @@ class _AmqpDriver(_Driver):
         return [(heartbeat / 4, lambda: self.connection.heartbeat_check(rate=4))]
 
 
-class _RedisDriver(_Driver):
+class _TakingDriver(_Driver):
+    """Transports whose channel takes as many messages as there is room for in one round
+    trip, with a turn's acks (``Channel.take(limit, acks)``): Redis and SQLite."""
+
+    def __init__(self, connection: Connection, channel: Any,
+                 room: Callable[[], int]) -> None:
+        super().__init__(connection)
+        self.channel = channel
+        self.room = room
+
+    def ack_and_take(self, tags: Sequence[str]) -> bool:
+        """The acks of a turn and the fetch it asked for, in one round trip (Redis: one
+        script; SQLite: one transaction), the acks sent even when there is no room now.
+        Raises what that round trip raised (the caller hands it to each ack). True if the
+        queues may hold more than it took (it took all it was allowed to)."""
+        room = min(max(0, self.room()), self.channel.MAX_TAKE)
+        return self.channel.take(room, tags) >= room > 0
+
+    def _take_while_room(self) -> bool:
+        """Take as many as there is room for, several per round trip."""
+        took = False
+        while (room := self.room()) > 0 and self.channel.take(room):
+            took = True
+        return took
+
+    def poll(self) -> None:
+        self._take_while_room()
+
+
+class _RedisDriver(_TakingDriver):
     """workhorse's Redis transport: each message is taken and recorded as unacked in one
     step (``Channel.take``); while the worker has room and the lists are empty, one idle
     connection per list waits for it to fill (``ListWaiter``). No BRPOP: a message is
@@ -661,24 +678,12 @@ class _RedisDriver(_Driver):
     #: waiter silent well past this is a dead connection).
     WAIT_TIMEOUT = 10
 
-    takes_with_acks = True
-
     def __init__(self, connection: Connection, channel: Any,
                  room: Callable[[], int]) -> None:
-        super().__init__(connection)
-        self.channel = channel
-        self.room = room
+        super().__init__(connection, channel, room)
         self.cycle = connection.transport.cycle
         self.waiters: dict[str, ListWaiter] = {}
         self.blocking = True        # False on Redis < 6.2 (no BLMOVE): polled instead
-
-    def _take_while_room(self) -> bool:
-        """Take as many as there is room for, several per round trip."""
-        took = False
-        while (room := self.room()) > 0 and self.channel.take(room):
-            took = True
-        return took
-
 
     def tick(self) -> None:
         """With room, and no wait armed on every list: take what is there, else arm them.
@@ -695,9 +700,6 @@ class _RedisDriver(_Driver):
             if waiter is None:
                 waiter = self.waiters[key] = ListWaiter(self.channel, key)
             waiter.arm(self.WAIT_TIMEOUT)
-
-    def poll(self) -> None:
-        self._take_while_room()
 
     def fds(self) -> set[int]:
         return {fd for fd in (w.fileno() for w in self.waiters.values()) if fd is not None}
@@ -744,22 +746,22 @@ class _RedisDriver(_Driver):
 class _PolledDriver(_Driver):
     """Brokers without a socket (memory): the loop calls ``poll()`` on a timer."""
 
+    polled = True
     poll_interval = POLL_INTERVAL
 
 
-class _TakingDriver(_PolledDriver):
+class _SqliteDriver(_TakingDriver):
     """SQLite: each poll leases as many as there is room for in one transaction and
     delivers them at once (``Channel.take``), instead of kombu's one message (and one
     commit) per fetch. Publishers wake it (``transport.wake``); where that cannot be set up
     (the broker file's directory read-only), it is polled every POLL_INTERVAL."""
 
-    takes_with_acks = True
+    polled = True
+    poll_interval = POLL_INTERVAL
 
     def __init__(self, connection: Connection, channel: Any,
                  room: Callable[[], int]) -> None:
-        super().__init__(connection)
-        self.channel = channel
-        self.room = room
+        super().__init__(connection, channel, room)
         self.listener: Listener | None = None
         path = connection.transport.store.path
         try:
@@ -779,10 +781,6 @@ class _TakingDriver(_PolledDriver):
         self.polled_at = monotonic()
         self.poll()
 
-    def poll(self) -> None:
-        while (room := self.room()) > 0 and self.channel.take(room):
-            pass
-
     def finish(self) -> None:
         if self.listener is not None:
             self.listener.close()
@@ -799,5 +797,5 @@ def _driver_for(connection: Connection, channel: Any, room: Callable[[], int]) -
         raise ValueError("Redis brokers are consumed through workhorse.transport.redis "
                          "(App.connection() chooses it)")
     if callable(getattr(channel, "take", None)):
-        return _TakingDriver(connection, channel, room)
+        return _SqliteDriver(connection, channel, room)
     return _PolledDriver(connection)
