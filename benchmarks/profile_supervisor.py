@@ -55,7 +55,7 @@ def main() -> int:
         queue = f"prof-{uuid.uuid4().hex[:8]}"
         counter = workdir / "count"
         counter.touch()
-        fill(url, queue, "bench.noop", [], args.tasks)
+        fill(url, queue, "bench.noop", [], args.tasks, results=args.results)
         results = "disabled"
         if args.results:
             results = ("redis://127.0.0.1:6379/4" if args.broker == "redis"

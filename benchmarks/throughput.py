@@ -1,21 +1,30 @@
-"""workhorse vs Celery prefork: tasks per second on the same broker, in one run.
+"""workhorse against Celery prefork (and Dramatiq, where it has the broker): tasks per
+second on the same broker, in one run.
 
-    python benchmarks/throughput.py --broker redis --tasks 2000 --repeat 3
-    python benchmarks/throughput.py --metrics     # also workhorse with metrics, scraped
-    python benchmarks/throughput.py --acks-early  # both at-most-once
+    python benchmarks/throughput.py --broker redis --tasks 4000 --repeat 3
+    python benchmarks/throughput.py --acks-early      # every worker at-most-once
+    python benchmarks/throughput.py --results        # results stored (SQLite, Redis)
+    python benchmarks/throughput.py --workers 2      # two workers of each on one broker
+    python benchmarks/throughput.py --metrics        # also workhorse with metrics, scraped
 
-Both workers get the same pre-filled queue of protocol v2 messages, concurrency, prefetch
-multiplier and ack mode (acks_late unless --acks-early, results disabled), and are timed
-from the first finished task to the last. Also reported: the supervisor's (Celery: the
-main process's) CPU time per task, and the pool processes' together. The machine is
-shared and noisy: medians of --repeat runs are printed, and the ratio of medians. With
-``--metrics``, workhorse runs a second time with its Prometheus endpoint on, scraped every
-second, interleaved with the others: the cost of counting (and of a scraper) is the ratio
-of those two.
+Every worker gets the same pre-filled queue (Celery's protocol; Dramatiq's own for
+Dramatiq), concurrency and prefetch multiplier 4, ack mode (late acks unless
+--acks-early), and results disabled unless --results; it is timed from the first finished
+task to the last. Also printed: the CPU per task of the supervisor (Celery: its main
+process; Dramatiq: its master, which only watches, as its worker processes consume and run
+tasks themselves) and of the processes below it together, and their memory (RSS: the
+largest main process, the mean child) at the end. The machine is shared and noisy: runs
+are interleaved, medians of --repeat are printed, and the ratios of medians.
+
+Dramatiq runs as ``dramatiq --processes <concurrency> --threads 1`` with its default
+middleware and prefetch; it is skipped where it is not installed (pip install
+'dramatiq[redis,rabbitmq]') and on SQLite, which it has no broker for.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import os
 import signal
 import socket
@@ -45,6 +54,8 @@ BROKERS = {
     "redis": "redis://127.0.0.1:6379/3",
     "amqp": "amqp://guest:guest@127.0.0.1:5672//",
 }
+#: Where --results stores them: the SQLite file beside the SQLite broker, else Redis.
+RESULTS = {BROKERS[name]: "redis://127.0.0.1:6379/4" for name in ("redis", "amqp")}
 TASK_SETS = {"noop": ("bench.noop", []), "sleep": ("bench.sleep", [0.01])}
 
 
@@ -53,44 +64,67 @@ class Run:
     seconds: float
     tasks: int
     main_cpu: float
-    children_cpu: float = 0.0
+    children_cpu: float
+    main_rss: int
+    child_rss: int
 
     @property
     def rate(self) -> float:
         return (self.tasks - 1) / self.seconds
 
 
-def fill(url: str, queue: str, task: str, args: list, count: int) -> None:
+def fill(url: str, queue: str, task: str, args: list, count: int,
+         results: bool = False) -> None:
+    """``count`` messages in Celery's protocol v2, as a Celery client sends them; their
+    ``ignore_result`` header is set unless ``results`` (both workers honour it)."""
     with Connection(url) as conn:
         ensure_queue(conn, queue)
         producer = Producer(conn)
         for _ in range(count):
-            msg = build_message(task, str(uuid.uuid4()), args, {}, ignore_result=True)
+            msg = build_message(task, str(uuid.uuid4()), args, {}, ignore_result=not results)
             producer.publish(msg.body, exchange="", routing_key=queue, serializer="json",
                              headers=msg.headers, correlation_id=msg.properties["correlation_id"],
                              delivery_mode=2)
 
 
+def fill_dramatiq(url: str, queue: str, task: str, args: list, count: int) -> None:
+    from benchmarks.dramatiq_tasks import actors, make_broker
+    broker = make_broker(url)
+    try:
+        actor = actors(broker, queue)[task]
+        for _ in range(count):
+            actor.send(*args)
+    finally:
+        broker.close()
+
+
 def drop(url: str, queue: str) -> None:
     """Delete the run's queue. On Redis the whole benchmark database goes: a worker killed
     at the end of a run leaves the leases of what it held in kombu's shared ``unacked``
-    keys, and every later run's sweep would spend its time putting them back."""
+    keys, and every later run's sweep would spend its time putting them back. The Redis
+    results database (--results) goes too."""
+    import redis
+    if url in RESULTS:
+        redis.Redis.from_url(RESULTS[url]).flushdb()
     if url == BROKERS["redis"]:
-        import redis
         redis.Redis.from_url(url).flushdb()
         return
     with Connection(url) as conn:
-        try:
-            ensure_queue(conn, queue)(conn.default_channel).delete()
-        except Exception:  # noqa: BLE001 - cleanup is best effort
-            pass
+        for name in (queue, f"{queue}.DQ", f"{queue}.XQ"):     # Dramatiq's beside it
+            try:
+                ensure_queue(conn, name)(conn.default_channel).delete()
+            except Exception:  # noqa: BLE001 - cleanup is best effort
+                pass
 
 
 def command(kind: str, queue: str, concurrency: int) -> list[str]:
     if kind.startswith("workhorse"):
         return [sys.executable, "-m", "workhorse", "worker", "-A", "benchmarks.bench_tasks:app",
                 "-c", str(concurrency), "-Q", queue, "-l", "WARNING"]
-    return [sys.executable, "-m", "celery", "-A", "benchmarks.bench_tasks:celery_app", "worker",
+    if kind == "dramatiq":
+        return [sys.executable, "-m", "dramatiq", "benchmarks.dramatiq_tasks", "--processes",
+                str(concurrency), "--threads", "1", "--queues", queue]
+    return [sys.executable, "-m", "celery", "-A", "benchmarks.celery_tasks:celery_app", "worker",
             "-c", str(concurrency), "-Q", queue, "-l", "WARNING", "-P", "prefork",
             "--without-gossip", "--without-mingle", "--without-heartbeat"]
 
@@ -111,62 +145,106 @@ def scrape(port: int, stop: threading.Event) -> None:
             pass        # not listening yet
 
 
-def measure(kind: str, url: str, task_set: str, count: int, concurrency: int,
-            workdir: Path, acks_late: bool = True) -> Run:
+def results_url(broker: str, workdir: Path) -> str:
+    return RESULTS.get(BROKERS[broker] or "") or f"sqlite:///{workdir / 'results.sqlite3'}"
+
+
+def measure(kind: str, broker: str, url: str, task_set: str, count: int, concurrency: int,
+            workdir: Path, acks_late: bool = True, results: bool = False,
+            workers: int = 1) -> Run:
     queue = f"bench-{uuid.uuid4().hex[:8]}"
     task, args = TASK_SETS[task_set]
     counter = workdir / f"{queue}.count"
     counter.touch()
-    fill(url, queue, task, args, count)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKHORSE_", "CELERY_"))}
-    env.update(PYTHONPATH=str(ROOT), BENCH_COUNTER=str(counter),
+    if kind == "dramatiq":
+        fill_dramatiq(url, queue, task, args, count)
+    else:
+        fill(url, queue, task, args, count, results=results)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("WORKHORSE_", "CELERY_", "DRAMATIQ_"))}
+    env.update(PYTHONPATH=str(ROOT), BENCH_COUNTER=str(counter), BENCH_QUEUE=queue,
                WORKHORSE_BROKER_URL=url, WORKHORSE_RESULT_BACKEND="disabled",
                WORKHORSE_STATE_DIR=str(workdir / "state"), WORKHORSE_PREFETCH_MULTIPLIER="4",
                WORKHORSE_ACKS_LATE=str(acks_late).lower(),
                BENCH_ACKS_LATE=str(acks_late).lower(),
-               CELERY_BROKER_URL=url)   # bench_tasks.py configures Celery the same way
+               CELERY_BROKER_URL=url, DRAMATIQ_BROKER_URL=url)
+    if results:
+        env["WORKHORSE_RESULT_BACKEND"] = results_url(broker, workdir)
+        env["BENCH_RESULTS"] = results_url(broker, workdir).replace("sqlite:", "db+sqlite:")
     stop_scraping = threading.Event()
     if kind == "workhorse+metrics":
         port = free_port()
         env["WORKHORSE_METRICS_PORT"] = str(port)
         threading.Thread(target=scrape, args=(port, stop_scraping), daemon=True).start()
     log = open(workdir / f"{queue}.{kind}.log", "wb")
-    proc = subprocess.Popen(command(kind, queue, concurrency), cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    main = psutil.Process(proc.pid)
+    procs = []
+    for n in range(workers):
+        env["WORKHORSE_HOSTNAME"] = f"bench{n}@{socket.gethostname()}"
+        procs.append(subprocess.Popen(command(kind, queue, concurrency), cwd=ROOT, env=env,
+                                      stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    mains = [psutil.Process(proc.pid) for proc in procs]
     try:
         deadline = time.monotonic() + 600
         first = None
         while counter.stat().st_size < count:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"{kind} did not finish; see {log.name}")
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                tail = Path(log.name).read_text(errors="replace").splitlines()[-15:]
+                raise RuntimeError(f"{kind} did not finish; its log ends:\n" + "\n".join(tail))
             if first is None and counter.stat().st_size >= 1:
                 first = time.monotonic()
-                cpu_start = sum(main.cpu_times()[:2])
-                children_start = children_cpu(main)
+                cpu_start = sum(_cpu(main) for main in mains)
+                children_start = sum(children_cpu(main) for main in mains)
             time.sleep(0.001)
         last = time.monotonic()
-        cpu = sum(main.cpu_times()[:2]) - cpu_start
-        children = children_cpu(main) - children_start
+        cpu = sum(_cpu(main) for main in mains) - cpu_start
+        children = sum(children_cpu(main) for main in mains) - children_start
+        main_rss = max(main.memory_info().rss for main in mains)
+        child_rss = [rss for main in mains for rss in pool_rss(main)]
     finally:
         stop_scraping.set()
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        for proc in procs:
+            kill(proc)
         log.close()
         drop(url, queue)
     assert first is not None
-    return Run(last - first, count, cpu, children)
+    return Run(last - first, count, cpu, children, main_rss,
+               int(statistics.mean(child_rss)) if child_rss else 0)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL a worker's process group (it is gone already if the worker died)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _cpu(process: psutil.Process) -> float:
+    return float(sum(process.cpu_times()[:2]))
 
 
 def children_cpu(main: psutil.Process) -> float:
-    """CPU seconds of the pool's processes (the sentinel's are next to nothing)."""
+    """CPU seconds of the processes below ``main`` (workhorse's sentinel: next to nothing)."""
     total = 0.0
     for child in main.children(recursive=True):
         try:
-            total += sum(child.cpu_times()[:2])
+            total += _cpu(child)
         except psutil.NoSuchProcess:
             pass
     return total
+
+
+def pool_rss(main: psutil.Process) -> list[int]:
+    """The RSS of the pool's processes (workhorse's sentinel, a small ``python -I -S``, is
+    left out)."""
+    sizes = []
+    for child in main.children():
+        try:
+            if "-I" not in child.cmdline()[1:3]:
+                sizes.append(child.memory_info().rss)
+        except psutil.NoSuchProcess:
+            pass
+    return sizes
 
 
 def main() -> int:
@@ -175,58 +253,77 @@ def main() -> int:
     parser.add_argument("--set", choices=sorted(TASK_SETS), action="append", dest="sets")
     parser.add_argument("--tasks", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=1,
+                        help="workers of each kind on the broker (default 1)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--metrics", action="store_true",
                         help="also run workhorse with metrics on, scraped every second")
     parser.add_argument("--acks-early", action="store_true",
-                        help="acks_late = false for both (at-most-once)")
+                        help="acks_late = false for every worker (at-most-once)")
+    parser.add_argument("--results", action="store_true",
+                        help="store results: in the SQLite file beside the SQLite broker, "
+                             "else in Redis (Celery too; Dramatiq stores none)")
+    parser.add_argument("--only", choices=("workhorse", "celery", "dramatiq"), action="append",
+                        help="run only these (default: all that can run)")
     args = parser.parse_args()
-    kinds = ("workhorse", "workhorse+metrics", "celery") if args.metrics else (
-        "workhorse", "celery")
+    dramatiq = importlib.util.find_spec("dramatiq") is not None
     brokers = args.broker or ["sqlite", "redis", "amqp"]
     sets = args.sets or ["noop", "sleep"]
-    print(f"{args.tasks} tasks, concurrency {args.concurrency}, prefetch multiplier 4, "
-          f"acks_late = {str(not args.acks_early).lower()}, results disabled; "
-          f"median of {args.repeat}")
-    print(f"{'broker':7} {'set':6} {'workhorse/s':>12} {'celery/s':>10} {'ratio':>6} "
-          f"{'wh sup CPU/task':>16} {'celery main CPU/task':>21} "
-          f"{'wh child CPU/task':>18} {'celery child CPU/task':>22}"
-          + (f" {'wh+metrics/s':>13} {'metrics/plain':>14} {'sup CPU/task':>13}"
-             if args.metrics else ""))
+    print(f"{args.tasks} no-op tasks ({max(200, args.tasks // 5)} of 10 ms), concurrency "
+          f"{args.concurrency}, {args.workers} worker(s) of each, prefetch multiplier 4, "
+          f"acks_late = {str(not args.acks_early).lower()}, results "
+          f"{'stored' if args.results else 'disabled'}; median of {args.repeat}")
+    if not dramatiq:
+        print("(Dramatiq is not installed: pip install 'dramatiq[redis,rabbitmq]')")
+    print(f"{'broker':7} {'set':6} {'worker':18} {'tasks/s':>8} {'ratio':>6} "
+          f"{'main CPU/task':>14} {'pool CPU/task':>14} {'main RSS':>9} {'child RSS':>10}")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for broker in brokers:
             url = BROKERS[broker] or f"sqlite:///{workdir / 'broker.sqlite3'}"
+            # Celery stores SQLite results through SQLAlchemy, Dramatiq none here.
+            celery = not (args.results and broker == "sqlite"
+                          and importlib.util.find_spec("sqlalchemy") is None)
+            if not celery:
+                print("(Celery is left out on SQLite: its SQLite result store needs "
+                      "SQLAlchemy, pip install sqlalchemy)")
+            kinds = ["workhorse"] + (["workhorse+metrics"] if args.metrics else []) + (
+                ["celery"] if celery else []) + (
+                ["dramatiq"] if dramatiq and broker != "sqlite" and not args.results else [])
+            if args.only:
+                kinds = [k for k in kinds if k.split("+")[0] in args.only]
             for task_set in sets:
                 count = args.tasks if task_set == "noop" else max(200, args.tasks // 5)
                 results: dict[str, list[Run]] = {kind: [] for kind in kinds}
                 for _ in range(args.repeat):
                     for kind in kinds:   # interleaved: the same noise for each
                         try:
-                            results[kind].append(measure(kind, url, task_set, count,
-                                                         args.concurrency, workdir,
-                                                         acks_late=not args.acks_early))
+                            results[kind].append(measure(
+                                kind, broker, url, task_set, count, args.concurrency,
+                                workdir, acks_late=not args.acks_early, results=args.results,
+                                workers=args.workers))
                         except RuntimeError as exc:
                             print(f"  {kind} on {broker}: {exc}", file=sys.stderr)
-                row = {k: (statistics.median(r.rate for r in v) if v else None,
-                           statistics.median(r.main_cpu / r.tasks * 1e6 for r in v) if v else None,
-                           statistics.median(r.children_cpu / r.tasks * 1e6 for r in v)
-                           if v else None)
-                       for k, v in results.items()}
-                wh, ce = row["workhorse"], row["celery"]
-                ratio = f"{wh[0] / ce[0]:.2f}" if wh[0] and ce[0] else "n/a"
-                fmt = lambda x, spec: format(x, spec) if x is not None else "n/a"  # noqa: E731
-                extra = ""
-                if args.metrics:
-                    wm = row["workhorse+metrics"]
-                    cost = f"{wm[0] / wh[0]:.3f}" if wm[0] and wh[0] else "n/a"
-                    extra = (f" {fmt(wm[0], '13.0f')} {cost:>14} "
-                             f"{fmt(wm[1], '10.0f') + ' µs':>13}")
-                print(f"{broker:7} {task_set:6} {fmt(wh[0], '12.0f')} {fmt(ce[0], '10.0f')} "
-                      f"{ratio:>6} {fmt(wh[1], '13.0f') + ' µs':>16} "
-                      f"{fmt(ce[1], '18.0f') + ' µs':>21} {fmt(wh[2], '15.0f') + ' µs':>18} "
-                      f"{fmt(ce[2], '19.0f') + ' µs':>22}" + extra)
+                report(broker, task_set, results)
     return 0
+
+
+def report(broker: str, task_set: str, results: dict[str, list[Run]]) -> None:
+    """One line per worker kind: medians; the ratio is workhorse's rate over its."""
+    rates = {k: statistics.median(r.rate for r in v) for k, v in results.items() if v}
+    ours = rates.get("workhorse")
+    for kind, runs in results.items():
+        if not runs:
+            print(f"{broker:7} {task_set:6} {kind:18} {'failed':>8}")
+            continue
+        rate = rates[kind]
+        ratio = f"{ours / rate:.2f}" if ours and kind != "workhorse" else ""
+        main_cpu = statistics.median(r.main_cpu / r.tasks * 1e6 for r in runs)
+        pool_cpu = statistics.median(r.children_cpu / r.tasks * 1e6 for r in runs)
+        main_rss = statistics.median(r.main_rss for r in runs) / 2**20
+        child_rss = statistics.median(r.child_rss for r in runs) / 2**20
+        print(f"{broker:7} {task_set:6} {kind:18} {rate:8.0f} {ratio:>6} "
+              f"{main_cpu:11.0f} µs {pool_cpu:11.0f} µs {main_rss:6.1f} MB {child_rss:7.1f} MB")
 
 
 if __name__ == "__main__":
