@@ -259,6 +259,7 @@ class FakeLink(FakeBroker):
         self.push = False
         self.connected = True
         self.where = "memory://"
+        self.queues = ["q"]
 
     def set_credit(self, count: int) -> None:
         if not self.credits or self.credits[-1] != count:

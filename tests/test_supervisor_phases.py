@@ -2,6 +2,7 @@
 and a fake broker connection (no fork, no broker, no real signal)."""
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -126,15 +127,23 @@ def test_a_failing_reload_keeps_everything_as_it_was():
     assert os_.handles[0].sent == [] and supervisor.phase is Phase.RUNNING
 
 
-def test_nothing_is_consumed_until_the_revokes_kept_in_the_store_are_known():
+def test_nothing_is_consumed_until_the_revokes_kept_in_the_store_are_known(caplog):
     """A worker started after a revoke must not take (and run) the revoked task before
-    remote control has read the revokes kept in the result store."""
+    remote control has read the revokes kept in the result store; it says it is ready
+    (once per connection) only when it consumes, and remote control answers by then."""
     supervisor, clock, _, consumer = running_supervisor(revokes_known=False, remote_control=True)
+    caplog.set_level(logging.INFO, "workhorse")
+    supervisor._connected()
     supervisor._changed()
     assert consumer.rooms[-1] == 0
+    assert "ready: consuming" not in caplog.text
     supervisor._revokes_read({"id:gone": time.time() + 60})
     assert consumer.rooms[-1] == supervisor.holding.window
     assert supervisor.intake.revoked.match("gone", {}) is not None
+    supervisor._revokes_read({})                    # remote control reconnected
+    assert caplog.text.count("ready: consuming q") == 1
+    supervisor._connected()                         # the broker reconnected
+    assert caplog.text.count("ready: consuming q") == 2
 
 
 def test_a_store_that_cannot_say_what_was_revoked_delays_consuming_only_so_long():
