@@ -279,7 +279,7 @@ def test_revoked_waiting_tasks_never_run_and_a_terminated_one_is_not_run_again(
         running = celery.send_task("tests.apps.basic.sleeper", (60,))
         buffered = celery.send_task("tests.apps.basic.record", ())
         eta = celery.send_task("tests.apps.basic.record", (), countdown=3600)
-        inspect = celery.control.inspect(destination=[hostname], timeout=2)
+        inspect = celery.control.inspect(destination=[hostname], timeout=10)
         wait_until(lambda: [t["id"] for t in (inspect.active() or {}).get(hostname, [])]
                    == [running.id], 20, "the sleeper to run")
         wait_until(lambda: (inspect.scheduled() or {}).get(hostname), 20, "the ETA task")
@@ -356,7 +356,7 @@ def test_workhorse_control_revokes_with_terminate_and_reports(broker, start_work
         running = celery.send_task("tests.apps.basic.sleeper", (60,))
         wait_until(lambda: runs(tmp_path), 20, "the sleeper to start")
         cli = control_cli(broker, tmp_path, "revoke", running.id, "--terminate", "--signal",
-                          "KILL", "-d", hostname, "--json", "--timeout", "3")
+                          "KILL", "-d", hostname, "--json", "--timeout", "10")
         assert cli.returncode == 0, cli.stderr
         assert json.loads(cli.stdout) == {hostname: {"ok": f"terminate: {running.id}"}}
         wait_until(lambda: _state(client, running.id) == "REVOKED", 20, "REVOKED stored")

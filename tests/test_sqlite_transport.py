@@ -303,11 +303,13 @@ def test_prefetch_count_is_respected(url):
 def test_drain_events_timeout_zero_returns_at_once(url):
     with conn(url) as c:
         with Consumer(c, [Queue("empty")], callbacks=[lambda *a: None]):
-            start = time.monotonic()
+            took = []
             for _ in range(10):
+                start = time.monotonic()
                 with pytest.raises(socket.timeout):
                     c.drain_events(timeout=0)
-            assert (time.monotonic() - start) / 10 < 0.02
+                took.append(time.monotonic() - start)
+            assert sorted(took)[5] < 0.02, took     # the median: one descheduling is noise
 
 
 def test_routing_through_a_direct_exchange_works_across_processes(url):

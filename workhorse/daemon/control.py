@@ -37,7 +37,7 @@ T = TypeVar("T")
 log = logging.getLogger("workhorse.control")
 
 #: How long a command waits for the loop thread's snapshot before it answers an error.
-ASK_TIMEOUT = 1.0
+ASK_TIMEOUT = 5.0
 #: A (re)connecting control thread sends itself this note until one comes back (every
 #: ``NOTE_INTERVAL``, at most ``LISTEN_TIMEOUT``): then a command sent to it is not missed.
 LISTENING_NOTE = "workhorse_listening"

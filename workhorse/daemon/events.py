@@ -2,8 +2,9 @@
 
 The loop thread hands events over with ``send`` (a dict built from what it knows, put on
 a queue: it never waits on the broker); this thread publishes them to the ``celeryev``
-exchange, and every ``HEARTBEAT_INTERVAL`` s a ``worker-heartbeat``. It sends
-``worker-online`` when it connects and ``worker-offline`` when it stops. Worker events go
+exchange, and every ``HEARTBEAT_INTERVAL`` s a ``worker-heartbeat``. ``worker-online`` is
+queued when it starts, ahead of any task's event (it goes out once connected), and
+``worker-offline`` when it stops. Worker events go
 out unless ``send_heartbeats`` is off; task events only while they are enabled
 (``send_events``, or remote control's ``enable_events``). Events are for monitors, not a
 record: while the broker is away at most ``BUFFER`` of them wait, the oldest dropped first.
@@ -33,6 +34,7 @@ from .service import ServiceThread
 if TYPE_CHECKING:
     from ..app import App
     from .delivery import Delivery
+    from .loop import Loop
 
 log = logging.getLogger("workhorse.events")
 
@@ -57,11 +59,15 @@ class EventThread(ServiceThread):
         self.clock = Clock()
         self._queue: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._unsent: deque[dict[str, Any]] = deque(maxlen=BUFFER)
-        self._online = False
         #: Events dropped because too many were waiting (the broker was away or stuck).
         self.dropped = 0
 
     # ------------------------------------------------------------------ loop thread's API
+    def start(self, loop: Loop) -> None:
+        if self.heartbeats:     # first in the queue: a monitor meets the worker first
+            self.worker("worker-online")
+        super().start(loop)
+
     def task(self, kind: str, **fields: Any) -> None:
         """A task event, if task events are on."""
         if self.task_events:
@@ -87,9 +93,6 @@ class EventThread(ServiceThread):
             exchange = Exchange(EXCHANGE, type="fanout" if fanout else "topic",
                                 durable=True, auto_delete=False)
             producer = connection.Producer(serializer="json")
-            if not self._online and self.heartbeats:
-                self.worker("worker-online")
-                self._online = True
             beat = time.monotonic() + HEARTBEAT_INTERVAL
             while True:
                 self._publish(producer, exchange)
