@@ -46,7 +46,10 @@ def main() -> int:
                         help="sample every thread, not only the one holding the GIL (the "
                              "default shows where Python code spends CPU)")
     args = parser.parse_args()
-    if shutil.which("py-spy") is None:
+    # The venv's bin directory first: running its python does not put it on PATH.
+    pyspy = (shutil.which("py-spy", path=str(Path(sys.executable).parent))
+             or shutil.which("py-spy"))
+    if pyspy is None:
         print("py-spy is not installed: pip install py-spy", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,7 +83,7 @@ def main() -> int:
             main_proc = psutil.Process(proc.pid)
             done0, cpu0 = counter.stat().st_size, sum(main_proc.cpu_times()[:2])
             raw = workdir / "stacks.txt"
-            spy = ["py-spy", "record", "-p", str(proc.pid), "-d", str(args.seconds), "-r", "250",
+            spy = [pyspy, "record", "-p", str(proc.pid), "-d", str(args.seconds), "-r", "250",
                    "-f", "raw", "-o", str(raw), "--nonblocking", "--threads"]
             if args.idle:
                 spy.append("--idle")
