@@ -238,7 +238,11 @@ def test_a_command_sent_as_soon_as_the_worker_is_ready_reaches_it(broker, client
             thread.run_posted()
             return not revokes_read.empty()
         wait_until(ready, 30, "the revokes read (the worker's ready)")
-        celery_app(broker).control.broadcast("ping", destination=[hostname])
+        app = celery_app(broker)
+        try:
+            app.control.broadcast("ping", destination=[hostname])
+        finally:
+            app.close()
         assert commands.get(timeout=10) == "ping"
     finally:
         thread.stop(10)
