@@ -750,14 +750,11 @@ class _PolledDriver(_Driver):
     poll_interval = POLL_INTERVAL
 
 
-class _SqliteDriver(_TakingDriver):
+class _SqliteDriver(_TakingDriver, _PolledDriver):
     """SQLite: each poll leases as many as there is room for in one transaction and
     delivers them at once (``Channel.take``), instead of kombu's one message (and one
     commit) per fetch. Publishers wake it (``transport.wake``); where that cannot be set up
     (the broker file's directory read-only), it is polled every POLL_INTERVAL."""
-
-    polled = True
-    poll_interval = POLL_INTERVAL
 
     def __init__(self, connection: Connection, channel: Any,
                  room: Callable[[], int]) -> None:

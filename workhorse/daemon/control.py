@@ -128,8 +128,7 @@ class ControlThread(ServiceThread):
                             LISTEN_TIMEOUT)
                 node.awaited = None
                 return
-            mailbox._broadcast(LISTENING_NOTE, {"ticket": ticket},
-                                    destination=[self.hostname])
+            mailbox._broadcast(LISTENING_NOTE, {"ticket": ticket}, destination=[self.hostname])
             self._wait(connection, min(left, NOTE_INTERVAL))
 
     def answer(self, method: str, arguments: dict[str, Any]) -> Any:

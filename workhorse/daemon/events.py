@@ -4,9 +4,9 @@ The loop thread hands events over with ``send`` (a dict built from what it knows
 a queue: it never waits on the broker); this thread publishes them to the ``celeryev``
 exchange, and every ``HEARTBEAT_INTERVAL`` s a ``worker-heartbeat``. ``worker-online`` is
 queued when it starts, ahead of any task's event (it goes out once connected), and
-``worker-offline`` when it stops. Worker events go
-out unless ``send_heartbeats`` is off; task events only while they are enabled
-(``send_events``, or remote control's ``enable_events``). Events are for monitors, not a
+``worker-offline`` when it stops. Worker events go out unless ``send_heartbeats`` is off;
+task events only while they are enabled (``send_events``, or remote control's
+``enable_events``). Events are for monitors, not a
 record: while the broker is away at most ``BUFFER`` of them wait, the oldest dropped first.
 """
 from __future__ import annotations
