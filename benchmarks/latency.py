@@ -92,9 +92,9 @@ def main() -> int:
                                         ignore_result=True)
                     producer.publish(msg.body, exchange="", routing_key=queue,
                                      serializer="json", headers=msg.headers)
-            wait(lambda: len(stamps(log, "hard time limit reached")) >= runs, 60)
+            wait(lambda: len(stamps(log, "s) exceeded; killing")) >= runs, 60)
             began = [float(x) for x in starts.read_text().split()]
-            kills = stamps(log, "hard time limit reached")
+            kills = stamps(log, "s) exceeded; killing")
             overrun_ms = [(k - (b + limit)) * 1000 for b, k in zip(began, kills, strict=False)]
             starts.unlink()
             etas = [datetime.now(UTC) + timedelta(seconds=1 + i / 10) for i in range(runs)]

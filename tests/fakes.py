@@ -255,6 +255,7 @@ class FakeLink(FakeBroker):
         super().__init__()
         self.credits: list[int] = []
         self.rooms: list[int] = []
+        self.starved: list[bool] = []
         self.cancelled = False
         self.push = False
         self.connected = True
@@ -267,6 +268,7 @@ class FakeLink(FakeBroker):
 
     def set_room(self, free: int, starved: bool = True) -> None:
         self.rooms.append(free)
+        self.starved.append(starved)
 
     def cancel(self) -> None:
         self.cancelled = True

@@ -242,7 +242,7 @@ def test_a_wakeup_writes_once_per_batch_and_never_loses_one(monkeypatch):
 def test_a_turns_acks_and_fetches_go_together_after_its_other_commands_in_order():
     """The broker thread carries acks submitted one after another in one call, in order
     with the other commands; however many fetches a turn asked for, it fetches once,
-    last, with the acks still waiting (one round trip on Redis)."""
+    last, with the acks still waiting (one round trip on Redis), and counts them."""
     from types import SimpleNamespace
 
     from workhorse.daemon import brokerthread
@@ -250,12 +250,15 @@ def test_a_turns_acks_and_fetches_go_together_after_its_other_commands_in_order(
     thread = brokerthread.BrokerThread.__new__(brokerthread.BrokerThread)
     thread.commands = brokerthread.Wakeup()
     thread.post = lambda callback: callback()
+    thread._arrived = []
     thread.consumer = SimpleNamespace(
-        connected=True,
+        connected=True, takes_with_acks=False,
         ack_many=lambda messages, fetch=False: (calls.append(("ack_many", messages, fetch))
                                                 or [None] * len(messages)))
     told: list[object] = []
     first, second, third = (brokerthread.Ack(m, told.append) for m in "abc")
+    posted: list[object] = []
+    thread.post = lambda callback: (posted.append(callback), callback())
     thread.submit_acks([first])
     thread.fetch()
     thread.commands.put(lambda consumer: calls.append(("requeue",)))
@@ -265,10 +268,26 @@ def test_a_turns_acks_and_fetches_go_together_after_its_other_commands_in_order(
     thread._run_commands()
     assert calls == [("ack_many", ["a"], False), ("requeue",), ("ack_many", ["b", "c"], True)]
     assert told == [None, None, None]
+    # The loop keeps one fetch in flight: it learns they were carried out, and a fetch
+    # that took nothing still wakes it (nothing else would).
+    assert thread.fetches_done == 3
+    assert len(posted) == 4                         # three acks' callbacks, one wakeup
     calls.clear()
     thread.fetch()
+    thread._arrived = [("q", "message")]            # this one took something
     thread._run_commands()
     assert calls == [("ack_many", [], True)]
+    assert thread.fetches_done == 4 and len(posted) == 4   # handed over: that wakes it
+    calls.clear()
+    thread.submit_acks([brokerthread.Ack("d")])
+    thread._run_commands()
+    assert calls == [("ack_many", ["d"], False)]    # RabbitMQ: acks alone take nothing
+    calls.clear()
+    thread.consumer.takes_with_acks = True
+    thread.submit_acks([brokerthread.Ack("e")])
+    thread._run_commands()
+    assert calls == [("ack_many", ["e"], True)]     # Redis, SQLite: they take too
+    assert thread.fetches_done == 4
 
 
 def test_a_new_connections_socket_that_reuses_an_old_number_is_watched():
@@ -327,15 +346,69 @@ def test_a_message_the_loop_never_gets_gives_its_place_in_the_window_back():
 
 def test_a_turns_acks_are_sent_even_when_its_fetch_finds_no_room():
     """The window filled between the loop asking for a fetch and the broker thread
-    carrying it out: the acks still go (with a take of nothing), and the consumer is told
-    there may be more to take only when the take was full."""
+    carrying it out: the acks still go (with a take of nothing). The consumer is told to
+    take again only when there was room for more than one take and it was full; a take
+    that found less than it asked for marks the queues dry (Redis then arms its waits)."""
     from workhorse.daemon.consumer import _TakingDriver
     calls: list[tuple[int, list[str]]] = []
     room = [0]
+    queued = [1000]
+
+    def take(limit: int, acks: list[str]) -> int:
+        calls.append((limit, list(acks)))
+        took = min(limit, queued[0])
+        queued[0] -= took
+        return took
     driver = _TakingDriver(types.SimpleNamespace(), types.SimpleNamespace(  # type: ignore[arg-type]
-        MAX_TAKE=64, take=lambda limit, acks: calls.append((limit, list(acks))) or limit),
-        lambda: room[0])
-    assert driver.ack_and_take(["t1", "t2"]) is False
+        MAX_TAKE=64, take=take), lambda: room[0])
+    assert driver.ack_and_take(["t1", "t2"]) is False and driver.dry   # (nothing known yet)
     room[0] = 3
-    assert driver.ack_and_take(["t3"]) is True
-    assert calls == [(0, ["t1", "t2"]), (3, ["t3"])]
+    assert driver.ack_and_take(["t3"]) is False and not driver.dry     # the loop asks again
+    room[0] = 100
+    assert driver.ack_and_take([]) is True and not driver.dry          # 64 of 100: go on
+    queued[0] = 5
+    room[0] = 8
+    assert driver.ack_and_take([]) is False and driver.dry
+    assert calls == [(0, ["t1", "t2"]), (3, ["t3"]), (64, []), (8, [])]
+
+
+def test_redis_waits_are_armed_only_once_a_take_found_the_lists_empty(monkeypatch):
+    """Until a take finds the lists empty, the loop's fetches take (several at a time);
+    a take or a wait armed on every turn with room took one or two messages a round
+    trip. Once a take finds less than it asked for, the waits are armed."""
+    from workhorse.daemon import consumer as consumer_module
+    armed: list[str] = []
+
+    class Waiter:
+        def __init__(self, channel: object, key: str) -> None:
+            self.key, self.sent_at = key, None
+
+        def arm(self, timeout: int) -> None:      # as ListWaiter: once until answered
+            if self.sent_at is None:
+                armed.append(self.key)
+                self.sent_at = 1.0
+    monkeypatch.setattr(consumer_module, "ListWaiter", Waiter)
+    queued = [10]
+    takes: list[int] = []
+
+    def take(limit: int, acks: object = ()) -> int:
+        takes.append(limit)
+        took = min(limit, queued[0])
+        queued[0] -= took
+        return took
+    channel = types.SimpleNamespace(MAX_TAKE=64, take=take, active_queues=["q"],
+                                    list_keys=lambda queues: list(queues))
+    connection = types.SimpleNamespace(transport=types.SimpleNamespace(cycle=None))
+    driver = consumer_module._RedisDriver(connection, channel, lambda: 4)  # type: ignore[arg-type]
+    driver.dry = False
+    driver.tick()
+    assert takes == [] and armed == []          # the loop says when to fetch
+    driver.ack_and_take([])
+    driver.tick()
+    assert takes == [4] and armed == []         # a full take: there may be more
+    queued[0] = 1
+    driver.ack_and_take([])
+    driver.tick()
+    assert takes == [4, 4] and armed == ["q"]   # the lists ran dry: wait on them
+    driver.tick()
+    assert armed == ["q"]                       # armed once

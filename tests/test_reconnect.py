@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import select
 import threading
 import uuid
 
@@ -120,7 +121,10 @@ def _take_one(consumer, received):
         if not consumer.connected:
             consumer.connect(8, lambda: 8, retries=0)     # as the supervisor would
         consumer.tick()
-        for fd in consumer.fds():
+        # Only the sockets that answered, as the broker thread's selector reports them: a
+        # Redis waiter whose list is empty blocks until its wait times out.
+        fds = list(consumer.fds())
+        for fd in select.select(fds, [], [], 0.1)[0] if fds else ():
             consumer.on_readable(fd)
         return bool(received)
     wait_until(got, 20, "a message to be taken")

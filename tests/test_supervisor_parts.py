@@ -612,6 +612,7 @@ def test_the_link_fetches_in_batches_unless_children_are_starved():
     def took(count: int) -> None:                  # the broker thread took, the loop got
         for _ in range(count):
             link.thread.room.took()
+        link.thread.fetches_done += 1
         link.received += count
     link.set_room(8, starved=True)
     assert handed() == ["command"]                 # room and nothing buffered: fetch now
@@ -629,3 +630,8 @@ def test_the_link_fetches_in_batches_unless_children_are_starved():
     assert handed() == ["command"]                 # half the window free: worth a trip
     link.set_room(4, starved=True)
     assert handed() == []                          # no more room than that fetch had
+    link.set_room(6, starved=True)
+    assert handed() == []                          # more, but the fetch is still on its way
+    took(3)
+    link.set_room(4, starved=True)
+    assert handed() == ["command"]                 # carried out: the room left is fetched

@@ -15,13 +15,13 @@ from workhorse.pool.ipc import Done, Job, Stop
 pytestmark = pytest.mark.timeout(10)
 
 
-def running_supervisor(revokes_known: bool = True, **settings):
+def running_supervisor(revokes_known: bool = True, app=None, **settings):
     """A supervisor past its start; ``revokes_known``: remote control has read the revokes
     kept in the result store (else it consumes nothing yet)."""
     clock = FakeClock()
     os_ = FakeOS(clock)
     consumer = FakeLink()
-    supervisor = Supervisor(fake_app("t.add"), fake_settings(**settings), system=os_,
+    supervisor = Supervisor(app or fake_app("t.add"), fake_settings(**settings), system=os_,
                             link=consumer)
     supervisor.slots.spawn_all()
     for child in list(supervisor.slots.children()):
@@ -186,3 +186,24 @@ def test_messages_a_broker_pushes_before_the_revokes_are_known_wait_for_them():
     jobs = [frame for handle in os_.handles for frame in handle.sent]
     assert [job.headers["id"] for job in jobs] == [kept.headers["id"]]
     assert consumer.calls == [("ack", revoked.headers["id"])]
+
+
+def test_a_child_left_idle_by_rate_limited_messages_has_the_loop_fetch_at_once():
+    """Children with work buffered wait for half the window to be free before the next
+    fetch (one round trip takes several). But buffered messages that must wait for their
+    rate limit are no work for an idle child: the loop is starved, and fetches at once."""
+    app = fake_app("t.add", "t.rated")
+    app.tasks["t.rated"].rate_limit = 0.1            # one start every 10 s
+    supervisor, clock, os_, link = running_supervisor(app=app, prefetch_multiplier=4)
+    receive(supervisor, message("t.add"), message("t.add"), message("t.add"))
+    supervisor._changed()
+    assert link.rooms[-1] == 5 and link.starved[-1] is False    # both busy, one buffered
+    finish(supervisor, os_, 0, 1)                    # the third starts there
+    finish(supervisor, os_, 1, 2)
+    receive(supervisor, message("t.rated"), message("t.rated"))   # the first starts
+    finish(supervisor, os_, 0, 3)
+    assert [type(f) for f in os_.handles[1].sent] == [Job, Job]
+    assert [type(f) for f in os_.handles[0].sent] == [Job, Job]   # idle now
+    assert len(supervisor.holding.buffer) == 1       # the second waits for its rate
+    supervisor._changed()
+    assert link.starved[-1] is True, "a child is idle and nothing buffered may start"

@@ -169,6 +169,10 @@ class BrokerThread:
     every Thread in a forked child (``_stop``, ``_delete``), and a subclass's method of the
     same name would run there, on the parent's broker connection."""
 
+    #: ``FETCH`` commands carried out so far (written by this thread only): the loop
+    #: thread, which counts those it submitted, keeps one in flight at a time.
+    fetches_done = 0
+
     def __init__(self, app: App, queues: list[str], post: Callable[[Callback], None],
                  on_message: Callable[[str, Message, int], None],
                  on_connected: Callable[[BrokerConsumer, bool], None],
@@ -311,19 +315,29 @@ class BrokerThread:
 
     def _run_commands(self) -> None:
         acks: list[Ack] = []
-        fetch = False
+        fetches = 0
         for command in self.commands.take():
             if isinstance(command, Ack):
                 acks.append(command)
             elif command is FETCH:
-                fetch = True
+                fetches += 1
             else:
                 if acks:
                     self._ack(acks)
                     acks = []
                 command(self.consumer)
-        if acks or fetch:
-            self._ack(acks, fetch and self.consumer.connected)
+        if not (acks or fetches):
+            return
+        try:
+            # Where acks and a take share a round trip (SQLite, Redis), acks take what there
+            # is room for too, though the loop did not ask yet: it costs nothing more.
+            consumer = self.consumer
+            self._ack(acks, consumer.connected and (fetches > 0 or consumer.takes_with_acks))
+        finally:        # counted whatever happened: the loop waits for it to fetch again
+            if fetches:
+                self.fetches_done += fetches
+                if not self._arrived:   # nothing to hand over wakes the loop: this does
+                    self.post(_nothing)
 
     def _ack(self, acks: list[Ack], fetch: bool = False) -> None:
         """Acks submitted one after another, in order with the other commands; ``fetch``:
@@ -429,6 +443,10 @@ class BrokerThread:
             self.consumer.close()
         finally:
             self._stopping = True
+
+
+def _nothing() -> None:
+    return None
 
 
 def _each(function: Callable[..., None], calls: list[tuple[Any, ...]]) -> None:

@@ -277,6 +277,11 @@ class BrokerConsumer:
             self._guarded(self.driver.on_readable, fd)
 
     @property
+    def takes_with_acks(self) -> bool:
+        """Do acks and a take share one round trip (SQLite, Redis)?"""
+        return isinstance(self.driver, _TakingDriver)
+
+    @property
     def polled(self) -> bool:
         """True for brokers with no socket to watch (SQLite, memory): call ``poll()``."""
         return self.driver is not None and self.driver.polled
@@ -648,19 +653,33 @@ class _TakingDriver(_Driver):
         super().__init__(connection)
         self.channel = channel
         self.room = room
+        #: Did the last take find the queues empty (it took less than it asked for)? Until
+        #: one does, the loop says when to fetch again (``FETCH``, once enough room is
+        #: free for one round trip to take several), and nothing else takes.
+        self.dry = True
+
+    def _take(self, room: int, tags: Sequence[str] = ()) -> int:
+        limit = min(max(0, room), self.channel.MAX_TAKE)
+        took: int = self.channel.take(limit, tags)
+        if limit > 0:
+            self.dry = took < limit
+        return took
 
     def ack_and_take(self, tags: Sequence[str]) -> bool:
         """The acks of a turn and the fetch it asked for, in one round trip (Redis: one
         script; SQLite: one transaction), the acks sent even when there is no room now.
-        Raises what that round trip raised (the caller hands it to each ack). True if the
-        queues may hold more than it took (it took all it was allowed to)."""
-        room = min(max(0, self.room()), self.channel.MAX_TAKE)
-        return self.channel.take(room, tags) >= room > 0
+        Raises what that round trip raised (the caller hands it to each ack). True if
+        there is room for more than one round trip takes and the queues may hold more:
+        take again. (Room freed while this one was on its way is the loop's to ask for,
+        once enough is free: taking it at once took one message a round trip.)"""
+        room = self.room()
+        self._take(room, tags)
+        return room > self.channel.MAX_TAKE and not self.dry
 
     def _take_while_room(self) -> bool:
         """Take as many as there is room for, several per round trip."""
         took = False
-        while (room := self.room()) > 0 and self.channel.take(room):
+        while (room := self.room()) > 0 and self._take(room):
             took = True
         return took
 
@@ -686,15 +705,13 @@ class _RedisDriver(_TakingDriver):
         self.blocking = True        # False on Redis < 6.2 (no BLMOVE): polled instead
 
     def tick(self) -> None:
-        """With room, and no wait armed on every list: take what is there, else arm them.
-        (While all are armed a new message wakes us; after a settle, ``poll`` takes.)"""
-        if self.room() <= 0 or not self.blocking:
+        """With room, once a take found the lists empty: arm a wait on each list not armed
+        yet (a list that filled meanwhile answers at once). While they are armed a new
+        message wakes us; until a take finds the lists empty, the loop's ``FETCH`` takes
+        (a take here on every turn with room took one or two messages a round trip)."""
+        if not self.dry or not self.blocking or self.room() <= 0:
             return
         keys = self.channel.list_keys(self.channel.active_queues)
-        if all(k in self.waiters and self.waiters[k].sent_at is not None for k in keys):
-            return
-        if self._take_while_room():
-            return
         for key in keys:
             waiter = self.waiters.get(key)
             if waiter is None:

@@ -58,14 +58,18 @@ class Dispatch:
         #: Task events (task-started), set by the supervisor.
         self.events = TaskEvents()
         self._rate_wakeup: Timer | None = None    # set while a rate-limited message waits
+        #: Did the last dispatch leave a child idle, for want of a message that may start?
+        self.left_idle = False
 
     def dispatch(self) -> None:
         """Give each idle child the next buffered message that may start now. One whose
         ack at start is on its way has an idle child kept for it."""
         idle = list(self.slots.idle())
+        self.left_idle = False
         for child in idle[len(self.holding.acking):]:
             delivery = self._next_startable()
             if delivery is None:
+                self.left_idle = True
                 return
             if delivery.policy.acks_late or delivery.acked:
                 self._start(child, delivery)

@@ -61,6 +61,7 @@ class BrokerLink:
         self._ack_timer: Timer | None = None
         self._room_grew = False
         self._room_said: tuple[int, int] | None = None
+        self._fetches = 0       # FETCH commands submitted (see set_room)
         self.thread = BrokerThread(app, queues, self.inbox.put, self._message,
                                    self._connected, self._lost, on_gave_up, prefetch,
                                    max_retries, retry_on_startup)
@@ -111,17 +112,22 @@ class BrokerLink:
     def set_room(self, free: int, starved: bool = True) -> None:
         """Free places in the window (0: take nothing). More room than before wakes the
         broker thread to fetch: at once if ``starved`` (nothing is buffered for a child),
-        else once ``batch`` places are free, so that one round trip takes several."""
+        else once ``batch`` places are free, so that one round trip takes several; and
+        only once the fetch before has been carried out. (The broker thread reads the room
+        when it takes, so one fetch in flight takes what was freed while it waited: a
+        fetch for each place freed kept it busy taking one or two messages a round trip,
+        while children starved.)"""
         said = (free, self.received)
         if said != self._room_said:     # (the same count again cannot be more room)
             self._room_said = said
             if self.thread.room.update(free, self.received):
                 self._room_grew = True          # since the last fetch
-        if self._room_grew:
+        if self._room_grew and self._fetches == self.thread.fetches_done:
             available = self.thread.room.available()
             if available > 0 and (starved or available >= self.batch):
                 self._room_grew = False
                 self.flush()
+                self._fetches += 1
                 self.thread.fetch()
                 return
         if self._urgent or len(self._acks) >= self.batch:

@@ -183,10 +183,13 @@ class Supervisor:
         now = self.system.monotonic()
         if self.link.push:          # only a broker that pushes (RabbitMQ) has a credit
             self.link.set_credit(self.holding.credit(now))
-        free = self.holding.window - self.holding.held
+        holding = self.holding
+        free = holding.window - holding.held
+        # Starved: nothing is buffered, or what is must wait (a rate limit) and the last
+        # dispatch left a child idle.
         self.link.set_room(free if self._accepting() and self._revokes_known
-                           and now >= self.holding.paused_until else 0,
-                           starved=not self.holding.buffer)
+                           and now >= holding.paused_until else 0,
+                           starved=not holding.buffer or self.dispatch.left_idle)
 
     def run(self) -> int:
         """Run until shut down; return the process exit status."""
