@@ -150,3 +150,22 @@ def test_sqlite_bury_changes_nothing_once_the_lease_is_lost(tmp_path: Path):
     wait_until(lambda: store.lease("q", 60), 5, "the lease to expire")
     assert not store.bury((ident, token), "q.dead", "envelope")
     assert store.browse("q.dead") == [] and len(store.browse("q")) == 1
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"properties": {"delivery_tag": "t"}, "headers": {"task": "a", "retries": 0}}',
+    # kombu's typed values, plainly and with the key spelled by escapes
+    b'{"properties": {}, "headers": {"eta": {"__type__": "datetime", '
+    b'"__value__": "2020-01-01T00:00:00"}}}',
+    b'{"properties": {}, "headers": {"eta": {"\\u005f_type__": "datetime", '
+    b'"__value__": "2020-01-01T00:00:00"}}}',
+    '{"properties": {}, "headers": {"k": "caf\\u00e9 \u00e9"}}',
+    b'{"properties": {}, "headers": {"k": "\xc3\xa9"}}',
+])
+def test_entries_decode_as_kombu_decodes_them(raw):
+    """The fast path (the standard decoder, no hook) gives what kombu's decoder gives."""
+    from kombu.utils.json import loads
+
+    from workhorse.transport.unreadable import _loads
+    assert _loads(raw) == loads(raw)
+

@@ -77,9 +77,11 @@ class Wakeup:
             pass            # the pipe is full: the reader is awake already
 
     def take(self) -> list[Callable[..., None]]:
+        # One read empties the pipe: it holds a byte or two (see _wake), and a read returns
+        # what is there. (Reading on to EAGAIN cost a system call per wakeup; a byte left
+        # over would only wake the reader once more, to find nothing.)
         try:
-            while os.read(self.read_fd, 4096):
-                pass
+            os.read(self.read_fd, 4096)
         except BlockingIOError:
             pass
         self._signalled = False     # after emptying the pipe: a byte written from now on stays

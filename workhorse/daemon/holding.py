@@ -75,7 +75,11 @@ class Holding:
 
     def has_task_id(self, task_id: str) -> bool:
         """Is a copy of this task running here, or finished and storing its result?"""
-        return any(d.request.id == task_id for d in (*self.running, *self.storing))
+        for stage in (self.running, self.storing):
+            for delivery in stage:
+                if delivery.request.id == task_id:
+                    return True
+        return False
 
     # ------------------------------------------------------------------ transitions
     def buffer_last(self, delivery: Delivery) -> None:

@@ -124,9 +124,10 @@ class Supervisor:
                            may_fork=self._may_fork)
         self.leases = Leases(self.current, self.link, self.holding,
                              settings.visibility_timeout, self._changed)
+        owner = f"{self.hostname}:{self.system.getpid()}"     # (getpid is a system call)
         self.dispatch = Dispatch(self.current, self.holding, self.intake, self.slots,
                                  self.link, self._accepting, self._changed,
-                                 lambda seq: f"{self.hostname}:{self.system.getpid()}:{seq}",
+                                 lambda seq: f"{owner}:{seq}",
                                  self.loop, self.system.monotonic)
         self.reloading = Reload(self.current, reload, self.slots, self.holding,
                                 self.settlement, self.system.monotonic, self._changed)

@@ -34,7 +34,7 @@ def read(raw: bytes | str, *, tagged: bool) -> tuple[dict[str, Any] | None, str 
     if not raw:
         return None, "an empty entry"
     try:
-        message = loads(raw)
+        message = _loads(raw)
     except (ValueError, TypeError) as exc:   # UnicodeDecodeError, kombu's typed values
         return None, f"not JSON ({exc})"
     if not isinstance(message, dict):
@@ -57,6 +57,18 @@ def read(raw: bytes | str, *, tagged: bool) -> tuple[dict[str, Any] | None, str 
         except (binascii.Error, ValueError) as exc:
             return None, f"body is not base64 ({exc})"
     return message, None
+
+
+def _loads(raw: bytes | str) -> Any:
+    """kombu's JSON decoding, which turns ``{"__type__": ..., "__value__": ...}`` objects
+    into the values they stand for. Its hook runs in Python for every object, and makes
+    ``json`` build a decoder per call: most of the broker thread's cost per message. Text
+    with neither that key nor an escape (which could spell it) has no such object: the
+    standard decoder gives the same result, several times faster."""
+    text = raw.decode("utf-8") if isinstance(raw, bytes | bytearray) else raw
+    if "__type__" in text or "\\u" in text:
+        return loads(text)
+    return json.loads(text)
 
 
 def body(message: dict[str, Any]) -> bytes | str | None:
