@@ -654,8 +654,9 @@ class _TakingDriver(_Driver):
         self.channel = channel
         self.room = room
         #: Did the last take find the queues empty (it took less than it asked for)? Until
-        #: one does, the loop says when to fetch again (``FETCH``, once enough room is
-        #: free for one round trip to take several), and nothing else takes.
+        #: one does, takes come only with the loop's ``FETCH`` (once enough room is free
+        #: for one round trip to take several), with acks, and from the safety poll; Redis
+        #: arms no waits on its lists.
         self.dry = True
 
     def _take(self, room: int, tags: Sequence[str] = ()) -> int:

@@ -62,9 +62,9 @@ def read(raw: bytes | str, *, tagged: bool) -> tuple[dict[str, Any] | None, str 
 def _loads(raw: bytes | str) -> Any:
     """kombu's JSON decoding, which turns ``{"__type__": ..., "__value__": ...}`` objects
     into the values they stand for. Its hook runs in Python for every object, and makes
-    ``json`` build a decoder per call: most of the broker thread's cost per message. Text
-    with neither that key nor an escape (which could spell it) has no such object: the
-    standard decoder gives the same result, several times faster."""
+    ``json`` build a decoder per call. Text with neither that key nor an escape (which
+    could spell it) has no such object: the standard decoder gives the same result, in
+    about 4.3 µs instead of 5.1 for a Celery message."""
     text = raw.decode("utf-8") if isinstance(raw, bytes | bytearray) else raw
     if "__type__" in text or "\\u" in text:
         return loads(text)
