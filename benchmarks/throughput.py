@@ -12,9 +12,10 @@ Dramatiq), concurrency and prefetch multiplier 4, ack mode (late acks unless
 --acks-early), and results disabled unless --results; it is timed from the first finished
 task to the last. Also printed: the CPU per task of the supervisor (Celery: its main
 process; Dramatiq: its master, which only watches, as its worker processes consume and run
-tasks themselves) and of the processes below it together, and their memory (RSS: the
-largest main process, the mean child) at the end. The machine is shared and noisy: runs
-are interleaved, medians of --repeat are printed, and the ratios of medians.
+tasks themselves), the part of it on the main process's main thread (workhorse: the loop
+thread; the rest is its broker thread), and of the processes below it together, and their
+memory (RSS: the largest main process, the mean child) at the end. The machine is shared
+and noisy: runs are interleaved, medians of --repeat are printed, and the ratios of medians.
 
 Dramatiq runs as ``dramatiq --processes <concurrency> --threads 1`` with its default
 middleware and prefetch; it is skipped where it is not installed (pip install
@@ -67,6 +68,9 @@ class Run:
     children_cpu: float
     main_rss: int
     child_rss: int
+    #: The main process's CPU on its main thread (workhorse: the loop thread); the rest
+    #: is on its other threads (workhorse: the broker thread).
+    main_thread_cpu: float = 0.0
 
     @property
     def rate(self) -> float:
@@ -194,10 +198,12 @@ def measure(kind: str, broker: str, url: str, task_set: str, count: int, concurr
             if first is None and counter.stat().st_size >= 1:
                 first = time.monotonic()
                 cpu_start = sum(_cpu(main) for main in mains)
+                thread_start = sum(main_thread_cpu(main) for main in mains)
                 children_start = sum(children_cpu(main) for main in mains)
             time.sleep(0.001)
         last = time.monotonic()
         cpu = sum(_cpu(main) for main in mains) - cpu_start
+        thread_cpu = sum(main_thread_cpu(main) for main in mains) - thread_start
         children = sum(children_cpu(main) for main in mains) - children_start
         main_rss = max(main.memory_info().rss for main in mains)
         child_rss = [rss for main in mains for rss in pool_rss(main)]
@@ -209,7 +215,7 @@ def measure(kind: str, broker: str, url: str, task_set: str, count: int, concurr
         drop(url, queue)
     assert first is not None
     return Run(last - first, count, cpu, children, main_rss,
-               int(statistics.mean(child_rss)) if child_rss else 0)
+               int(statistics.mean(child_rss)) if child_rss else 0, thread_cpu)
 
 
 def kill(proc: subprocess.Popen) -> None:
@@ -221,6 +227,14 @@ def kill(proc: subprocess.Popen) -> None:
 
 def _cpu(process: psutil.Process) -> float:
     return float(sum(process.cpu_times()[:2]))
+
+
+def main_thread_cpu(process: psutil.Process) -> float:
+    """CPU seconds of the process's main thread (its thread id is the process id)."""
+    for thread in process.threads():
+        if thread.id == process.pid:
+            return float(thread.user_time + thread.system_time)
+    return 0.0
 
 
 def children_cpu(main: psutil.Process) -> float:
@@ -276,7 +290,8 @@ def main() -> int:
     if not dramatiq:
         print("(Dramatiq is not installed: pip install 'dramatiq[redis,rabbitmq]')")
     print(f"{'broker':7} {'set':6} {'worker':18} {'tasks/s':>8} {'ratio':>6} "
-          f"{'main CPU/task':>14} {'pool CPU/task':>14} {'main RSS':>9} {'child RSS':>10}")
+          f"{'main CPU/task':>14} {'(main thread)':>14} {'pool CPU/task':>14} {'main RSS':>9} "
+          f"{'child RSS':>10}")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for broker in brokers:
@@ -319,11 +334,13 @@ def report(broker: str, task_set: str, results: dict[str, list[Run]]) -> None:
         rate = rates[kind]
         ratio = f"{ours / rate:.2f}" if ours and kind != "workhorse" else ""
         main_cpu = statistics.median(r.main_cpu / r.tasks * 1e6 for r in runs)
+        thread_cpu = statistics.median(r.main_thread_cpu / r.tasks * 1e6 for r in runs)
         pool_cpu = statistics.median(r.children_cpu / r.tasks * 1e6 for r in runs)
         main_rss = statistics.median(r.main_rss for r in runs) / 2**20
         child_rss = statistics.median(r.child_rss for r in runs) / 2**20
         print(f"{broker:7} {task_set:6} {kind:18} {rate:8.0f} {ratio:>6} "
-              f"{main_cpu:11.0f} µs {pool_cpu:11.0f} µs {main_rss:6.1f} MB {child_rss:7.1f} MB")
+              f"{main_cpu:11.0f} µs {thread_cpu:11.0f} µs {pool_cpu:11.0f} µs "
+              f"{main_rss:6.1f} MB {child_rss:7.1f} MB")
 
 
 if __name__ == "__main__":
