@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 import redis
-from kombu import Connection, Producer
+from kombu import Connection, Consumer, Producer
 
 from workhorse.queues import ensure_queue
 from workhorse.transport import REDIS as REDIS_TRANSPORT
@@ -275,6 +275,33 @@ def test_one_take_takes_up_to_its_limit_in_order_each_leased_and_counted(redis_q
         assert not channel.take(64)
         for message in got:
             message.ack()
+
+
+def test_takes_read_the_lists_by_priority_then_queue_turn_by_turn(redis_queue):
+    """Each take reads the lists in kombu's BRPOP order, worked out once per order of the
+    queues: priority 0 of every queue first, then the next step; the queue a take last
+    took from goes to the back for the next take."""
+    other = f"{redis_queue}-b"
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        ensure_queue(conn, redis_queue)
+        ensure_queue(conn, other)
+        producer = Producer(conn)
+        for queue, name, priority in ((redis_queue, "a9", 9), (redis_queue, "a0", 0),
+                                      (other, "b0", 0), (redis_queue, "a0 again", 0)):
+            producer.publish({"n": name}, exchange="", routing_key=queue,
+                             serializer="json", priority=priority)
+        channel = conn.channel()
+        got: list = []
+        for queue in (redis_queue, other):
+            Consumer(channel, [ensure_queue(conn, queue)], on_message=got.append,
+                     no_ack=False).consume()
+        order = []
+        while channel.take(1):
+            order.append(got[-1].payload["n"])
+        assert order == ["a0", "b0", "a0 again", "a9"]
+        for message in got:
+            message.ack()
+        redis.Redis.from_url(REDIS_URL).delete(other)
 
 
 def test_acks_in_one_round_trip_remove_only_leases_still_ours(redis_queue, caplog):

@@ -33,6 +33,7 @@ TAGGED = {"body": "", "properties": {"delivery_tag": "t1", "body_encoding": "bas
     (json.dumps({**TAGGED, "headers": [1]}).encode(), "headers are not an object"),
     (json.dumps({**TAGGED, "body": 5}).encode(), "body is JSON int, not a string"),
     (json.dumps({**TAGGED, "body": "abc"}).encode(), "body is not base64"),
+    (json.dumps({**TAGGED, "body": "w6k\u00e9"}).encode(), "body is not base64"),  # not ASCII
     (json.dumps({**TAGGED, "properties": {"delivery_tag": "t", "body_encoding": "rot13"}}
                 ).encode(), "unknown body_encoding 'rot13'"),
 ])

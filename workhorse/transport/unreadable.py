@@ -53,7 +53,7 @@ def read(raw: bytes | str, *, tagged: bool) -> tuple[dict[str, Any] | None, str 
         return None, f"unknown body_encoding {encoding!r}"
     if body and encoding == "base64":
         try:
-            base64.b64decode(body)     # as kombu decodes it
+            binascii.a2b_base64(body)  # as kombu's b64decode does, minus its wrapper
         except (binascii.Error, ValueError) as exc:
             return None, f"body is not base64 ({exc})"
     return message, None
