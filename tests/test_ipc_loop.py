@@ -412,3 +412,28 @@ def test_redis_waits_are_armed_only_once_a_take_found_the_lists_empty(monkeypatc
     assert takes == [4, 4] and armed == ["q"]   # the lists ran dry: wait on them
     driver.tick()
     assert armed == ["q"]                       # armed once
+
+
+def test_what_the_tick_delivers_is_handed_over_before_the_broker_thread_waits():
+    """RabbitMQ's tick delivers frames read ahead (select() cannot see them); handed over
+    only after the wait, they waited up to a second for nothing."""
+    from workhorse.daemon import brokerthread
+    from workhorse.daemon.loop import Loop
+    thread = brokerthread.BrokerThread.__new__(brokerthread.BrokerThread)
+    thread.loop = Loop()
+    thread.room = brokerthread.Room()
+    thread.room.update(8, 0)
+    thread._arrived = []
+    thread._watched, thread._watched_generation = set(), -1
+    handed: list = []
+    thread.on_message = lambda queue, message, deliveries: handed.append(message)
+    thread.post = lambda callback: callback()
+    thread.consumer = types.SimpleNamespace(
+        connected=True, generation=1, fds=set,
+        tick=lambda: thread._received("q", "read ahead"),
+        count_delivery=lambda queue, message: 1)
+    try:
+        thread._prepare()
+        assert handed == ["read ahead"]
+    finally:
+        thread.loop.close()

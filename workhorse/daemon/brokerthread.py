@@ -295,6 +295,7 @@ class BrokerThread:
             self._watch(set(), consumer.generation)
             return
         consumer.tick()
+        self._hand_over()       # what the tick delivered (RabbitMQ: frames read ahead)
         self._watch(consumer.fds(), consumer.generation)
 
     def _watch(self, fds: set[int], generation: int) -> None:

@@ -637,6 +637,13 @@ class _AmqpDriver(_Driver):
     def fds(self) -> set[int]:
         return {self.connection.connection.sock.fileno()}
 
+    def tick(self) -> None:
+        """Deliver the frames read ahead of the drain that read them (a wait for a publish
+        confirm reads on past it; see ``ReadAheadTransport``): select() cannot see them."""
+        buffered = getattr(self.connection.connection.transport, "frame_buffered", None)
+        while buffered is not None and buffered():
+            _drain(self.connection)
+
     def periodic(self) -> list[tuple[float, Callable[[], None]]]:
         heartbeat = self.connection.get_heartbeat_interval()
         if not heartbeat:
