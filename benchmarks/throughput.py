@@ -6,6 +6,8 @@ second on the same broker, in one run.
     python benchmarks/throughput.py --results        # results stored (SQLite, Redis)
     python benchmarks/throughput.py --workers 2      # two workers of each on one broker
     python benchmarks/throughput.py --metrics        # also workhorse with metrics, scraped
+    python benchmarks/throughput.py --one-thread     # also workhorse on one thread (see
+                                                     # benchmarks/one_thread.py)
 
 Every worker gets the same pre-filled queue (Celery's protocol; Dramatiq's own for
 Dramatiq), concurrency and prefetch multiplier 4, ack mode (late acks unless
@@ -123,7 +125,8 @@ def drop(url: str, queue: str) -> None:
 
 def command(kind: str, queue: str, concurrency: int) -> list[str]:
     if kind.startswith("workhorse"):
-        return [sys.executable, "-m", "workhorse", "worker", "-A", "benchmarks.bench_tasks:app",
+        module = "benchmarks.one_thread" if kind == "workhorse+one-thread" else "workhorse"
+        return [sys.executable, "-m", module, "worker", "-A", "benchmarks.bench_tasks:app",
                 "-c", str(concurrency), "-Q", queue, "-l", "WARNING"]
     if kind == "dramatiq":
         return [sys.executable, "-m", "dramatiq", "benchmarks.dramatiq_tasks", "--processes",
@@ -272,6 +275,9 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--metrics", action="store_true",
                         help="also run workhorse with metrics on, scraped every second")
+    parser.add_argument("--one-thread", action="store_true",
+                        help="also run workhorse with its broker thread's loop on the loop "
+                             "thread (an experiment: benchmarks/one_thread.py)")
     parser.add_argument("--acks-early", action="store_true",
                         help="acks_late = false for every worker (at-most-once)")
     parser.add_argument("--results", action="store_true",
@@ -303,6 +309,7 @@ def main() -> int:
                 print("(Celery is left out on SQLite: its SQLite result store needs "
                       "SQLAlchemy, pip install sqlalchemy)")
             kinds = ["workhorse"] + (["workhorse+metrics"] if args.metrics else []) + (
+                ["workhorse+one-thread"] if args.one_thread else []) + (
                 ["celery"] if celery else []) + (
                 ["dramatiq"] if dramatiq and broker != "sqlite" and not args.results else [])
             if args.only:
