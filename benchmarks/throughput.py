@@ -16,7 +16,9 @@ task to the last. Also printed: the CPU per task of the supervisor (Celery: its 
 process; Dramatiq: its master, which only watches, as its worker processes consume and run
 tasks themselves), the part of it on the main process's main thread (workhorse: the loop
 thread; the rest is its broker thread), and of the processes below it together, and their
-memory (RSS: the largest main process, the mean child) at the end. The machine is shared
+memory (RSS: the largest main process, the mean child) at the end; and the broker server's
+CPU per task over the same span (redis-server, RabbitMQ's beam.smp), which shares the
+machine's two cores with the workers. The machine is shared
 and noisy: runs are interleaved, medians of --repeat are printed, and the ratios of medians.
 
 Dramatiq runs as ``dramatiq --processes <concurrency> --threads 1`` with its default
@@ -73,6 +75,9 @@ class Run:
     #: The main process's CPU on its main thread (workhorse: the loop thread); the rest
     #: is on its other threads (workhorse: the broker thread).
     main_thread_cpu: float = 0.0
+    #: The broker server's CPU over the same span (redis-server, RabbitMQ's beam.smp; 0
+    #: for SQLite, whose work is done inside the workers).
+    broker_cpu: float = 0.0
 
     @property
     def rate(self) -> float:
@@ -203,11 +208,13 @@ def measure(kind: str, broker: str, url: str, task_set: str, count: int, concurr
                 cpu_start = sum(_cpu(main) for main in mains)
                 thread_start = sum(main_thread_cpu(main) for main in mains)
                 children_start = sum(children_cpu(main) for main in mains)
+                broker_start = server_cpu(broker)
             time.sleep(0.001)
         last = time.monotonic()
         cpu = sum(_cpu(main) for main in mains) - cpu_start
         thread_cpu = sum(main_thread_cpu(main) for main in mains) - thread_start
         children = sum(children_cpu(main) for main in mains) - children_start
+        broker_used = server_cpu(broker) - broker_start
         main_rss = max(main.memory_info().rss for main in mains)
         child_rss = [rss for main in mains for rss in pool_rss(main)]
     finally:
@@ -218,7 +225,7 @@ def measure(kind: str, broker: str, url: str, task_set: str, count: int, concurr
         drop(url, queue)
     assert first is not None
     return Run(last - first, count, cpu, children, main_rss,
-               int(statistics.mean(child_rss)) if child_rss else 0, thread_cpu)
+               int(statistics.mean(child_rss)) if child_rss else 0, thread_cpu, broker_used)
 
 
 def kill(proc: subprocess.Popen) -> None:
@@ -230,6 +237,23 @@ def kill(proc: subprocess.Popen) -> None:
 
 def _cpu(process: psutil.Process) -> float:
     return float(sum(process.cpu_times()[:2]))
+
+
+#: The broker servers' process names, for their CPU per task.
+SERVERS = {"redis": "redis-server", "amqp": "beam.smp"}
+
+
+def server_cpu(broker: str) -> float:
+    """CPU seconds the broker's server process has used so far (0 if not found: SQLite,
+    or a server this machine does not run)."""
+    name = SERVERS.get(broker)
+    for process in psutil.process_iter(["name"]) if name else ():
+        try:
+            if process.info["name"] == name:
+                return _cpu(process)
+        except psutil.Error:
+            pass
+    return 0.0
 
 
 def main_thread_cpu(process: psutil.Process) -> float:
@@ -297,7 +321,7 @@ def main() -> int:
         print("(Dramatiq is not installed: pip install 'dramatiq[redis,rabbitmq]')")
     print(f"{'broker':7} {'set':6} {'worker':18} {'tasks/s':>8} {'ratio':>6} "
           f"{'main CPU/task':>14} {'(main thread)':>14} {'pool CPU/task':>14} {'main RSS':>9} "
-          f"{'child RSS':>10}")
+          f"{'child RSS':>10} {'server CPU/task':>16}")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for broker in brokers:
@@ -345,9 +369,10 @@ def report(broker: str, task_set: str, results: dict[str, list[Run]]) -> None:
         pool_cpu = statistics.median(r.children_cpu / r.tasks * 1e6 for r in runs)
         main_rss = statistics.median(r.main_rss for r in runs) / 2**20
         child_rss = statistics.median(r.child_rss for r in runs) / 2**20
+        server = statistics.median(r.broker_cpu / r.tasks * 1e6 for r in runs)
         print(f"{broker:7} {task_set:6} {kind:18} {rate:8.0f} {ratio:>6} "
               f"{main_cpu:11.0f} µs {thread_cpu:11.0f} µs {pool_cpu:11.0f} µs "
-              f"{main_rss:6.1f} MB {child_rss:7.1f} MB")
+              f"{main_rss:6.1f} MB {child_rss:7.1f} MB {server:13.0f} µs")
 
 
 if __name__ == "__main__":

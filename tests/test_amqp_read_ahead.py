@@ -143,7 +143,8 @@ def test_deliveries_read_ahead_are_handed_over_by_the_tick(broker, client):
         transport = consumer.connection.connection.transport
         # Read ahead, as a drain reading on past its delivery would.
         wait_until(lambda: _read_ahead(transport) >= 5, 10, "the deliveries")
-        assert not received and not select.select([transport.sock], [], [], 0)[0]    # none left to see
+        # None left to see on the socket: all of them are read ahead.
+        assert not received and not select.select([transport.sock], [], [], 0)[0]
         consumer.tick()
         assert len(received) == 5 and not transport.frame_buffered()
         for message in received:
