@@ -85,6 +85,18 @@ def test_timers_fire_in_order_and_cancelled_ones_do_not():
     loop.close()
 
 
+def test_what_runs_before_the_loop_waits_may_make_the_wait_return_at_once():
+    loop = Loop()
+    seen = []
+    loop.before_wait(lambda: seen.append("before") if len(seen) < 1 else None)
+    loop.before_wait(lambda: loop.call_later(0, lambda: seen.append("due"))
+                     if len(seen) == 1 else None)
+    started = time.monotonic()
+    loop.run_once()                 # no reader, no timer: it would wait for ever
+    assert seen == ["before", "due"] and time.monotonic() - started < 5
+    loop.close()
+
+
 def test_a_signal_wakes_a_loop_blocked_without_timeout():
     loop = Loop()
     pipe = SignalPipe([signal.SIGUSR2])

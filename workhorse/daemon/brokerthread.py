@@ -242,7 +242,7 @@ class BrokerThread:
                 self.loop.call_later(BLOCKED_RETRY, lambda: run(self.consumer))
                 return
             except Exception as exc:  # noqa: BLE001 - logged; the broker delivers it again
-                _failed(consumer, exc, what)
+                say_failed(consumer, exc, what)
                 return
             if self._blocked:
                 log.info("RabbitMQ publishes again: the settlements that waited go on")
@@ -288,6 +288,20 @@ class BrokerThread:
         whatever cleanup they hold (kombu's would give back the parent's messages)."""
         with parked(self.thread, self.gate) as free:
             yield free
+
+    @contextlib.contextmanager
+    def borrowed(self) -> Iterator[BrokerConsumer | None]:
+        """Loop thread: the consumer, to call ``take_now`` on, while this thread is parked
+        with nothing submitted to it still to run (so nothing submitted before is
+        overtaken); None otherwise. Never waits: the gate is taken only if it is free."""
+        if (self._stopping or self._blocked or not self.thread.is_alive()
+                or not self.gate.acquire(blocking=False)):
+            yield None
+            return
+        try:
+            yield self.consumer if self.commands.queue.empty() else None
+        finally:
+            self.gate.release()
 
     def _prepare(self) -> None:
         consumer = self.consumer
@@ -355,7 +369,7 @@ class BrokerThread:
             if ack.then is not None:
                 self.post(partial(ack.then, error))
             elif error is not None:
-                _failed(self.consumer, error, f"{message_label(ack.message)}: ack")
+                say_failed(self.consumer, error, f"{message_label(ack.message)}: ack")
 
     def _poll(self) -> None:
         consumer = self.consumer
@@ -420,8 +434,15 @@ class BrokerThread:
         self._arrived.append((queue_name, message))
 
     def _hand_over(self) -> None:
-        """Count what arrived and give it to the loop, all in one post. RabbitMQ may
-        replace a redelivered message by a counted copy: nothing to give then."""
+        """Count what arrived and give it to the loop, all in one post."""
+        counted = self.counted_arrivals()
+        if counted:
+            self.post(partial(_each, self.on_message, counted))
+
+    def counted_arrivals(self) -> list[tuple[str, Message, int]]:
+        """What arrived since the last call, each with its delivery count: called by the
+        thread that made the call it arrived in (a ``take_now`` on the loop thread). RabbitMQ
+        may replace a redelivered message by a counted copy: nothing to give then."""
         arrived, self._arrived = self._arrived, []
         counted = []
         for queue_name, message in arrived:
@@ -430,8 +451,7 @@ class BrokerThread:
                 counted.append((queue_name, message, deliveries))
             else:       # the loop never gets it: the place it took in the window is free
                 self.room.gave_back()
-        if counted:
-            self.post(partial(_each, self.on_message, counted))
+        return counted
 
     def _lost(self, exc: BaseException) -> None:
         self.post(lambda: self.on_lost(exc))
@@ -462,7 +482,7 @@ def message_label(message: Message) -> str:
     return f"{headers.get('task')}[{headers.get('id')}]"
 
 
-def _failed(consumer: BrokerConsumer, exc: Exception, what: str) -> None:
+def say_failed(consumer: BrokerConsumer, exc: Exception, what: str) -> None:
     if consumer.is_connection_error(exc):
         log.warning("%s: the broker connection is gone (%r); the broker will deliver it "
                     "again", what or "a broker call", exc)

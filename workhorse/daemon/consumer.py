@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from time import monotonic
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any
@@ -37,6 +37,7 @@ from ..protocol import (
     dead_letter_queue,
 )
 from ..transport.redis import Channel as RedisChannel, ListWaiter
+from ..transport.store import StoreBusy
 from ..transport.wake import Listener
 from .counting import BROKER_HEADERS, RabbitMQ, earlier_deliveries, parse_version
 
@@ -392,13 +393,7 @@ class BrokerConsumer:
                 except Exception as exc:  # noqa: BLE001 - handed back, per message
                     errors[n] = exc
             return True
-        ready: list[Message] = []
-        for n in numbers:
-            if messages[n].acknowledged:
-                errors[n] = Message.MessageStateError(
-                    f"Message already acknowledged with state: {messages[n]._state}")
-            else:
-                ready.append(messages[n])
+        ready = _not_acked(messages, numbers, errors)
         try:
             said = self._settling(channel, partial(batch, [m.delivery_tag for m in ready]))
         except Exception as exc:  # noqa: BLE001 - handed back, per message
@@ -408,6 +403,44 @@ class BrokerConsumer:
         for message in ready:
             message._state = "ACK"
         return said is True
+
+    def take_now(self, messages: list[Message]) -> list[Exception | None] | None:
+        """``ack_many(messages, fetch=True)`` if it can be done at once, never waiting (the
+        loop thread calls it while the broker thread is parked): on SQLite, where a take is
+        a transaction on a local file, not a round trip. None if it cannot (another
+        broker; acks of an older connection's channel; the file busy or in trouble):
+        nothing was done, and the broker thread is to do it, waiting as it may."""
+        driver = self.driver
+        if not (self.consuming and isinstance(driver, _SqliteDriver)):
+            return None
+        channel = driver.channel
+        if any(message.channel is not channel for message in messages):
+            return None
+        errors: list[Exception | None] = [None] * len(messages)
+        ready = _not_acked(messages, range(len(messages)), errors)
+        try:
+            driver.take_now([message.delivery_tag for message in ready])
+        except StoreBusy:
+            return None
+        for message in ready:
+            message._state = "ACK"
+        return errors
+
+    @property
+    def takes_at_once(self) -> bool:
+        """Can ``take_now`` be asked of this connection (SQLite)?"""
+        return isinstance(self.driver, _SqliteDriver)
+
+    def has_unburied(self) -> bool:
+        """Did a ``take_now`` lease unreadable entries that wait for ``bury_unburied``?"""
+        driver = self.driver
+        return isinstance(driver, _SqliteDriver) and bool(driver.channel._unburied)
+
+    def bury_unburied(self) -> None:
+        """Bury the unreadable entries that ``take_now`` leased (burying may wait)."""
+        driver = self.driver
+        if isinstance(driver, _SqliteDriver):
+            self._guarded(driver.channel.bury_unburied)
 
     def forget(self, message: Message) -> None:
         """Drop a message whose lease was lost (``renew`` said so) from its channel's
@@ -543,6 +576,20 @@ class BrokerConsumer:
             self.ack(message)
 
 
+def _not_acked(messages: list[Message], numbers: Iterable[int],
+               errors: list[Exception | None]) -> list[Message]:
+    """``messages[n]`` for ``numbers`` that are not settled yet; the error of each that is
+    goes to ``errors[n]``."""
+    ready: list[Message] = []
+    for n in numbers:
+        if messages[n].acknowledged:
+            errors[n] = Message.MessageStateError(
+                f"Message already acknowledged with state: {messages[n]._state}")
+        else:
+            ready.append(messages[n])
+    return ready
+
+
 def _rabbitmq(connection: Connection) -> RabbitMQ:
     """The server's version decides what its delivery marks mean (see counting.RabbitMQ)."""
     properties = getattr(connection.connection, "server_properties", None) or {}
@@ -666,9 +713,10 @@ class _TakingDriver(_Driver):
         #: arms no waits on its lists.
         self.dry = True
 
-    def _take(self, room: int, tags: Sequence[str] = ()) -> int:
+    def _take(self, room: int, tags: Sequence[str] = (), **options: bool) -> int:
+        """``options``: the channel's own (SQLite's ``wait``)."""
         limit = min(max(0, room), self.channel.MAX_TAKE)
-        took: int = self.channel.take(limit, tags)
+        took: int = self.channel.take(limit, tags, **options)
         if limit > 0:
             self.dry = took < limit
         return took
@@ -793,6 +841,12 @@ class _SqliteDriver(_TakingDriver, _PolledDriver):
                         "the file every %.2f s instead", path, exc, POLL_INTERVAL)
         else:
             self.poll_interval = SAFETY_POLL
+
+    def take_now(self, tags: Sequence[str]) -> None:
+        """``ack_and_take`` without waiting for the file: raises StoreBusy, having changed
+        nothing, where it would wait. One take: whatever more there is room for, the loop
+        asks for again."""
+        self._take(self.room(), tags, wait=False)
 
     def fds(self) -> set[int]:
         return {self.listener.fileno()} if self.listener is not None else set()

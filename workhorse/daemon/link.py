@@ -1,6 +1,8 @@
 """The loop thread's side of the broker: every call hands work to the broker thread and
 returns at once; what comes back (messages, results, a lost or restored connection) is
-run on the loop thread, from its selector, through the ``Wakeup`` it watches."""
+run on the loop thread, from its selector, through the ``Wakeup`` it watches. One
+exception, where it cannot wait: on SQLite the acks and takes are carried out here while
+the broker thread is parked, as long as the file is free at once (``_take_here``)."""
 from __future__ import annotations
 
 import threading
@@ -9,12 +11,13 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kombu.message import Message
 
 from . import systemd
-from .brokerthread import Ack, BrokerThread, Command, Wakeup, message_label
+from .brokerthread import Ack, BrokerThread, Command, Wakeup, message_label, say_failed
 from .loop import Timer
 from ..urls import redact
 from .consumer import BrokerConsumer
@@ -51,6 +54,7 @@ class BrokerLink:
         self.connected = False
         self.push = False       # RabbitMQ: pushes up to a credit, takes back on loss
         self.leased = False     # SQLite, Redis: leases to renew
+        self.takes_here = False     # SQLite: acks and takes on this thread (_take_here)
         self.received = 0       # messages handed to the loop so far (for Room)
         self._credit = -1
         self.loop = loop
@@ -62,6 +66,9 @@ class BrokerLink:
         self._room_grew = False
         self._room_said: tuple[int, int] | None = None
         self._fetches = 0       # FETCH commands submitted (see set_room)
+        #: SQLite: a take, or acks, to carry out before the loop waits (_before_wait).
+        self._want_fetch = self._want_acks = False
+        loop.before_wait(self._before_wait)
         self.thread = BrokerThread(app, queues, self.inbox.put, self._message,
                                    self._connected, self._lost, on_gave_up, prefetch,
                                    max_retries, retry_on_startup)
@@ -126,12 +133,37 @@ class BrokerLink:
             available = self.thread.room.available()
             if available > 0 and (starved or available >= self.batch):
                 self._room_grew = False
-                self.flush()
-                self._fetches += 1
-                self.thread.fetch()
+                if self.takes_here:
+                    self._want_fetch = True     # before the loop waits: see _before_wait
+                else:
+                    self._fetch()
                 return
         if self._urgent or len(self._acks) >= self.batch:
-            self.flush()
+            if self.takes_here:
+                self._want_acks = True
+            else:
+                self.flush()
+
+    def _fetch(self) -> None:
+        """Hand the acks held back and a FETCH to the broker thread."""
+        self.flush(here=False)
+        self._fetches += 1
+        self.thread.fetch()
+
+    def _before_wait(self) -> None:
+        """SQLite: the acks and the take this turn asked for, once the turn is done (its
+        jobs handed to the children, which run them meanwhile), before the loop waits: on
+        this thread where that never waits, else handed to the broker thread."""
+        fetch, acks = self._want_fetch, self._want_acks
+        if not (fetch or acks):
+            return
+        self._want_fetch = self._want_acks = False
+        if self._take_here():
+            return
+        if fetch and self._fetches == self.thread.fetches_done:
+            self._fetch()
+        elif self._acks:
+            self.flush(here=False)
 
     def set_credit(self, count: int) -> None:
         if count != self._credit:
@@ -167,14 +199,60 @@ class BrokerLink:
         self._acks.append(Ack(message, then))
         self._urgent = True
 
-    def flush(self) -> None:
-        """Hand the acks held back to the broker thread (one wakeup for all)."""
+    def flush(self, here: bool = True) -> None:
+        """Hand the acks held back to the broker thread (one wakeup for all); on SQLite,
+        carry them out here at once where that never waits (``_take_here``), unless
+        ``here`` is False."""
         if self._ack_timer is not None:
             self._ack_timer.cancel()
             self._ack_timer = None
+        if not self._acks or (here and self._take_here()):
+            return
         acks, self._acks, self._urgent = self._acks, [], False
-        if acks:
-            self.thread.submit_acks(acks)
+        self.thread.submit_acks(acks)
+
+    def _take_here(self) -> bool:
+        """SQLite: the acks held back and a take of what there is room for, in one
+        transaction carried out here, on the loop thread, as the broker thread would
+        (``BrokerConsumer.take_now``): no thread to wake, and no interpreter lock handed
+        between two threads for every batch. Only while the broker thread is parked with
+        nothing submitted to it (nothing is overtaken), and only if it never waits: the
+        file's lock held by another process, or any trouble with the file, and it is not
+        done (False), and the caller hands it to the broker thread as before."""
+        if not self.takes_here:
+            return False
+        acks = self._acks
+        with self.thread.borrowed() as consumer:
+            if consumer is None:
+                return False
+            try:
+                errors = consumer.take_now([ack.message for ack in acks])
+            except Exception as exc:  # a bug: said, and each ack fails with it
+                log.error("acking %d messages and taking on the loop thread failed: %r",
+                          len(acks), exc, exc_info=exc)
+                errors = [exc for _ in acks]
+            if errors is None:
+                return False
+            counted = self.thread.counted_arrivals()
+            failed = [(ack, error) for ack, error in zip(acks, errors, strict=True)
+                      if error is not None and ack.then is None]
+            for ack, error in failed:
+                say_failed(consumer, error, f"{message_label(ack.message)}: ack")
+            unburied = consumer.has_unburied()
+        if self._ack_timer is not None:
+            self._ack_timer.cancel()
+            self._ack_timer = None
+        self._acks, self._urgent = [], False
+        for ack, outcome in zip(acks, errors, strict=True):
+            if ack.then is not None:        # as the broker thread posts it: next turn
+                self.loop.call_later(0, partial(ack.then, outcome))
+        if unburied:
+            self.thread.submit(lambda c: c.bury_unburied(), "burying unreadable entries")
+        for arrived in counted:
+            self._message(*arrived)
+        if counted:     # the loop looks at them before it waits again
+            self.loop.call_later(0, _nothing)
+        return True
 
     def requeue(self, queue: str, message: Message) -> None:
         self.submit(lambda c: c.requeue(queue, message), f"{message_label(message)}: requeue")
@@ -265,12 +343,17 @@ class BrokerLink:
             systemd.notify(f"STATUS=waiting for the broker at {self.where}")
             return
         self.connected, self.push, self.leased = True, consumer.push, consumer.leased
+        self.takes_here = consumer.takes_at_once
         self._credit = -1
         queues = ", ".join(self.queues)
         systemd.notify(f"STATUS=consuming {queues}")
         self.on_connected_cb()
 
     def _lost(self, exc: BaseException) -> None:
-        self.connected = False
+        self.connected = self.takes_here = False
         systemd.notify(f"STATUS=broker connection lost ({exc!r}); reconnecting")
         self.on_lost_cb(exc)
+
+
+def _nothing() -> None:
+    return None

@@ -35,6 +35,7 @@ class Loop:
         self.selector = selectors.DefaultSelector()
         self._timers: list[Timer] = []
         self._seq = itertools.count()
+        self._before_wait: list[Callback] = []
 
     # -- readers
     def add_reader(self, fd: int, callback: Callback) -> None:
@@ -48,6 +49,12 @@ class Loop:
 
     def readers(self) -> set[int]:
         return {key.fd for key in self.selector.get_map().values()}
+
+    def before_wait(self, callback: Callback) -> None:
+        """Call ``callback`` each time before the loop waits, once what the turn made
+        due is done (work that may as well run while the children run theirs). It may
+        make a timer due at once: the wait then returns at once."""
+        self._before_wait.append(callback)
 
     # -- timers
     def call_at(self, when: float, callback: Callback) -> Timer:
@@ -87,7 +94,10 @@ class Loop:
         self.dispatch(self.wait(max_timeout))
 
     def wait(self, max_timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        """Wait for I/O or the next timer (at most ``max_timeout``); run nothing."""
+        """Wait for I/O or the next timer (at most ``max_timeout``); run nothing but the
+        ``before_wait`` callbacks."""
+        for callback in self._before_wait:
+            callback()
         timeout = self.next_timeout(self.clock())
         if max_timeout is not None:
             timeout = max_timeout if timeout is None else min(timeout, max_timeout)

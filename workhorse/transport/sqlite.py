@@ -138,19 +138,26 @@ class Channel(virtual.Channel):
     #: At most this many messages per take (one transaction), whatever the room.
     MAX_TAKE = 64
     _rotation = 0
+    #: Unreadable entries a take that must not wait leased: (queue, lease, payload, why).
+    _unburied: list[tuple[str, tuple[int, str], str, str]] = []
 
-    def take(self, limit: int = 1, acks: Sequence[str] = ()) -> int:
+    def take(self, limit: int = 1, acks: Sequence[str] = (), *, wait: bool = True) -> int:
         """Ack ``acks``, then lease up to ``limit`` messages from the queues consumed here,
         in one transaction (the queues in turn, each emptied before the next), and deliver
         them all to their consumers at once, so none waits here unseen. Returns how many
-        were taken (0: none, or ``limit`` is 0)."""
+        were taken (0: none, or ``limit`` is 0). ``wait=False``: raise StoreBusy, having
+        changed nothing, rather than wait for the file (``Store.lease_many``); an
+        unreadable entry it took waits, leased, for ``bury_unburied`` (or the next take
+        that may wait)."""
+        if wait and self._unburied:
+            self.bury_unburied()
         queues = list(self._active_queues) if limit > 0 else []
         if not queues and not acks:
             return 0
         start = self._rotation % len(queues) if queues else 0
         taken = self.store.lease_many(queues[start:] + queues[:start], self.visibility_timeout,
                                       min(limit, self.MAX_TAKE) if queues else 0,
-                                      [parse_tag(tag) for tag in acks])
+                                      [parse_tag(tag) for tag in acks], wait=wait)
         for tag in acks:
             virtual.QoS.ack(self.qos, tag)
         if not taken:
@@ -164,9 +171,18 @@ class Channel(virtual.Channel):
             else:
                 self.connection._deliver(self._leased(message, ident, token, deliveries),
                                          queue)
-        for queue, lease, payload, why in unreadable_taken:
-            self._bury(queue, lease, payload, why)
+        if wait:
+            for queue, lease, payload, why in unreadable_taken:
+                self._bury(queue, lease, payload, why)
+        else:       # burying may wait: leased to us, it waits for bury_unburied
+            self._unburied = self._unburied + unreadable_taken
         return len(taken)
+
+    def bury_unburied(self) -> None:
+        """Bury the unreadable entries a take that must not wait leased."""
+        unburied, self._unburied = self._unburied, []
+        for queue, lease, payload, why in unburied:
+            self._bury(queue, lease, payload, why)
 
     def _leased(self, message: dict[str, Any], ident: int, token: str,
                 deliveries: int) -> dict[str, Any]:

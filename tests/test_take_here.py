@@ -1,0 +1,231 @@
+"""On SQLite the loop thread acks and takes itself, while the broker thread is parked, and
+never waits doing so: a take that would wait (the file's write lock held by another
+process, the store in use by another thread, anything wrong with the file) changes
+nothing and is handed to the broker thread, which may wait (BrokerLink._take_here)."""
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kombu import Connection, Producer
+
+import workhorse  # noqa: F401 - registers the sqlite:// transport
+from workhorse import App
+from workhorse.daemon.brokerthread import BrokerThread
+from workhorse.daemon.link import BrokerLink
+from workhorse.daemon.loop import Loop
+from workhorse.protocol import build_message, dead_letter_queue
+from workhorse.queues import ensure_queue
+from workhorse.transport.store import Store, StoreBusy
+
+from .conftest import wait_until
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.broker("sqlite")]
+
+#: Far below SQLite's busy timeout (10 s): a call that took this long waited for a lock.
+AT_ONCE = 2.0
+
+
+@contextmanager
+def write_lock(path: Path) -> Iterator[sqlite3.Connection]:
+    """Another process's view of the file: its write lock held, as a publisher's
+    transaction holds it."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+    finally:
+        conn.execute("ROLLBACK")
+        conn.close()
+
+
+def _store_with(tmp_path: Path, count: int) -> tuple[Store, Path]:
+    path = tmp_path / "broker.sqlite3"
+    store = Store(path)
+    for n in range(count):
+        store.put("q", f'{{"n": {n}}}')
+    return store, path
+
+
+def test_a_take_that_must_not_wait_fails_at_once_on_a_held_write_lock_and_changes_nothing(
+        tmp_path):
+    store, path = _store_with(tmp_path, 3)
+    held = store.lease_many(["q"], 60, 1)
+    acks = [(ident, token) for _, ident, token, _, _ in held]
+    with write_lock(path):
+        started = time.monotonic()
+        with pytest.raises(StoreBusy, match="locked"):
+            store.lease_many(["q"], 60, 5, acks, wait=False)
+        assert time.monotonic() - started < AT_ONCE
+    assert store.size("q") == 2 and len(store.browse("q")) == 3   # none taken or acked
+    taken = store.lease_many(["q"], 60, 5, acks, wait=False)     # the lock is free: done
+    assert len(taken) == 2 and store.ack_many([(i, t) for _, i, t, _, _ in taken]) == 2
+    assert store.size("q") == 0 and not store.browse("q")
+
+
+def test_after_a_take_that_must_not_wait_the_others_wait_for_the_lock_again(tmp_path):
+    store, path = _store_with(tmp_path, 2)
+    assert store.lease_many(["q"], 60, 1, wait=False)
+    released = threading.Event()
+
+    def hold_then_release() -> None:
+        with write_lock(path):
+            ready.set()
+            time.sleep(0.3)       # the lock held a while, as a long publish holds it
+        released.set()
+    ready = threading.Event()
+    threading.Thread(target=hold_then_release).start()
+    assert ready.wait(5)
+    assert len(store.lease_many(["q"], 60, 1)) == 1      # waited for it, did not fail
+    assert released.is_set()
+
+
+def test_a_take_that_must_not_wait_fails_at_once_while_another_thread_uses_the_store(
+        tmp_path):
+    store, _ = _store_with(tmp_path, 1)
+    store.check()
+    inside, leave = threading.Event(), threading.Event()
+
+    def use() -> None:
+        with store._session():
+            inside.set()
+            leave.wait(10)
+    user = threading.Thread(target=use)
+    user.start()
+    try:
+        assert inside.wait(5)
+        with pytest.raises(StoreBusy, match="another thread"):
+            store.lease_many(["q"], 60, 1, wait=False)
+    finally:
+        leave.set()
+        user.join(5)
+    assert len(store.lease_many(["q"], 60, 1, wait=False)) == 1
+
+
+def test_the_broker_thread_is_borrowed_only_parked_with_nothing_submitted_to_it():
+    app = App("t", broker_url="memory://", result_backend="disabled")
+    thread = BrokerThread(app, ["q"], lambda callback: None, lambda *a: None,
+                          lambda *a: None, lambda e: None, lambda e: None, lambda: 8,
+                          None, True)
+    thread.thread.is_alive = lambda: True      # type: ignore[method-assign]
+    with thread.borrowed() as consumer:
+        assert consumer is thread.consumer                 # parked, nothing to run
+        with thread.borrowed() as again:
+            assert again is None                           # the gate is held: never waits
+    thread.submit(lambda c: None, "something submitted before")
+    with thread.borrowed() as consumer:
+        assert consumer is None                            # it would be overtaken
+    thread.commands.take()
+    with thread.gate, thread.borrowed() as consumer:
+        assert consumer is None                            # busy in a call
+
+
+class SqliteLink:
+    """A real BrokerLink with its broker thread, on a SQLite file; the test is the loop."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.path = tmp_path / "broker.sqlite3"
+        self.url = f"sqlite:///{self.path}"
+        self.app = App("t", broker_url=self.url, result_backend="disabled")
+        self.loop = Loop()
+        self.received: list[Any] = []
+        self.connected = threading.Event()
+        self.link = BrokerLink(self.app, ["q"], self.loop, self._received,
+                               self.connected.set, lambda e: None, lambda e: None,
+                               lambda: 8, None, True)
+
+    def _received(self, queue: str, message: Any, deliveries: int) -> None:
+        self.received.append(message)
+
+    def publish(self, count: int, body: Any = None) -> None:
+        with Connection(self.url) as conn:
+            ensure_queue(conn, "q")
+            producer = Producer(conn)
+            for n in range(count):
+                msg = build_message("t.add", f"id-{n}", [n], {})
+                producer.publish(msg.body, exchange="", routing_key="q", serializer="json",
+                                 headers=msg.headers)
+
+    def turn_until(self, condition: Any, what: str) -> None:
+        def turned() -> object:
+            self.loop.run_once(0.02)
+            return condition()
+        wait_until(turned, 10, what, interval=0)
+
+    def rows(self) -> int:
+        """Messages in the queue, held (leased) or not: what is not acked."""
+        return len(Store(self.path).browse("q"))
+
+
+@pytest.fixture
+def sqlite_link(tmp_path: Path) -> Iterator[SqliteLink]:
+    it = SqliteLink(tmp_path)
+    it.publish(0)                      # the file and the queue exist before it connects
+    it.link.start()
+    it.turn_until(it.connected.is_set, "the broker thread to connect")
+    try:
+        yield it
+    finally:
+        it.link.close(5)
+
+
+def test_on_sqlite_the_loop_acks_and_takes_itself_without_the_broker_thread(sqlite_link):
+    it = sqlite_link
+    it.publish(10)
+    it.link.set_room(8)
+    assert it.received == []                # the turn goes on: its jobs come first
+    it.loop.wait(0)
+    assert len(it.received) == 8            # taken on this thread, before the loop waited
+    assert it.link.thread.fetches_done == 0 and it.link._fetches == 0
+    for message in it.received[:5]:
+        it.link.ack(message)
+    it.link.received = 8
+    it.link.set_room(5)                     # five places free: the acks go with the take
+    it.loop.wait(0)
+    assert len(it.received) == 10 and it.rows() == 5
+    assert all(m.acknowledged for m in it.received[:5])
+    for message in it.received[5:]:
+        it.link.ack(message)
+    it.link.flush()                         # acks alone, here too
+    assert it.rows() == 0 and it.link.thread.fetches_done == 0
+
+
+def test_the_loop_never_waits_for_a_write_lock_another_process_holds(sqlite_link):
+    """The fault: a publisher (another process) holds the file's write lock for a while.
+    The loop's take does not wait for it: the fetch goes to the broker thread, which does,
+    and the messages arrive once the lock is released."""
+    it = sqlite_link
+    it.publish(3)
+    message_held = []
+    it.link.set_room(1)
+    it.loop.wait(0)
+    message_held += it.received
+    it.link.ack(message_held[0])
+    with write_lock(it.path):
+        started = time.monotonic()
+        it.link.received = 1
+        it.link.set_room(8)
+        it.loop.wait(0)
+        assert time.monotonic() - started < AT_ONCE
+        assert len(it.received) == 1 and it.link._fetches == 1      # handed over
+    it.turn_until(lambda: len(it.received) == 3, "the broker thread's take")
+    assert it.link.thread.fetches_done == 1
+    assert it.rows() == 2 and message_held[0].acknowledged
+
+
+def test_an_unreadable_entry_taken_on_the_loop_is_buried_by_the_broker_thread(sqlite_link):
+    it = sqlite_link
+    Store(it.path).put("q", "{not json")
+    it.publish(1)
+    it.link.set_room(8)
+    it.loop.wait(0)
+    assert len(it.received) == 1            # the readable one; the other waits, leased
+    dead = dead_letter_queue("q")
+    it.turn_until(lambda: Store(it.path).size(dead) == 1, "the unreadable entry's burial")
+    assert it.rows() == 1                   # the readable one, held by us
