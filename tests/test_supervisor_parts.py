@@ -635,3 +635,28 @@ def test_the_link_fetches_in_batches_unless_children_are_starved():
     took(3)
     link.set_room(4, starved=True)
     assert handed() == ["command"]                 # carried out: the room left is fetched
+
+
+def test_where_the_loop_takes_itself_it_takes_before_waiting_once_three_quarters_are_free():
+    """SQLite (takes_here): the take arrives before the loop waits, not a round trip
+    later, so it waits for more room than a broker thread's fetch; one that cannot be
+    done here goes to the broker thread (not started here: it is handed over)."""
+    link, loop, clock, handed = _link(window=8)
+    link.takes_here = True
+
+    def took(count: int) -> None:
+        for _ in range(count):
+            link.thread.room.took()
+        link.received += count
+    link.set_room(8, starved=True)
+    assert handed() == []                          # not mid-turn: before the loop waits
+    loop.wait(0)
+    assert handed() == ["command"]                 # (handed over: no broker thread here)
+    took(8)
+    link.thread.fetches_done += 1
+    link.set_room(4, starved=False)
+    loop.wait(0)
+    assert handed() == []                          # half the window: not yet
+    link.set_room(6, starved=False)
+    loop.wait(0)
+    assert handed() == ["command"]                 # three quarters: take
