@@ -207,3 +207,22 @@ def test_a_child_left_idle_by_rate_limited_messages_has_the_loop_fetch_at_once()
     assert len(supervisor.holding.buffer) == 1       # the second waits for its rate
     supervisor._changed()
     assert link.starved[-1] is True, "a child is idle and nothing buffered may start"
+
+
+def test_a_copy_held_back_while_its_twin_runs_goes_to_its_child_as_redelivered():
+    """Two copies of one task id (a broker restart that lost the take, say): the second
+    waits while the first runs, and then goes to its child marked redelivered, so the
+    child acks it without running it once the first's SUCCESS is stored (CI once saw it
+    run twice after a Redis restart)."""
+    supervisor, clock, os_, _ = running_supervisor(concurrency=2)
+    first = message()
+    twin = message(id=first.headers["id"])
+    receive(supervisor, first, twin)
+    jobs = [f for handle in os_.handles for f in handle.sent if isinstance(f, Job)]
+    assert len(jobs) == 1 and not jobs[0].delivery_info.get("redelivered")
+    index = next(n for n, h in enumerate(os_.handles) if h.sent)
+    finish(supervisor, os_, index, jobs[0].seq)
+    clock.advance(supervisor.loop, 1.0)
+    supervisor._after_events()
+    jobs = [f for handle in os_.handles for f in handle.sent if isinstance(f, Job)]
+    assert len(jobs) == 2 and jobs[1].delivery_info.get("redelivered") is True

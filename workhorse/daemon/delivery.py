@@ -34,6 +34,9 @@ class Delivery:
     acked: bool = False        # acked at start (acks_late = false)
     started: bool = False
     deliveries: int = 0        # its delivery count, this delivery included (when taken)
+    #: Another copy of its task id was held here when it came up to start (a broker
+    #: connection lost between running and acking; a broker restart that lost the take).
+    copy_seen: bool = False
     timer: Any = field(default=None, repr=False)   # its ETA (or store retry) timer
     #: An idempotent task's claim (key, owner) while its child runs it.
     claim: tuple[str, str] | None = None

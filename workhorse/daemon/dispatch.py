@@ -83,6 +83,7 @@ class Dispatch:
             if self.holding.has_task_id(delivery.request.id or ""):
                 log.info("%s: a copy of it runs here already; looking again in %.0f s",
                          delivery.label, SAME_ID_RECHECK)
+                delivery.copy_seen = True
                 self.intake.schedule(delivery, SAME_ID_RECHECK)
                 continue
             return delivery
@@ -123,9 +124,11 @@ class Dispatch:
     def _job(self, delivery: Delivery) -> Job:
         request, message = delivery.request, delivery.message
         delivery_info = dict(message.delivery_info or {})
-        if delivery.deliveries > 1:
-            # Delivered before (a counted requeue's copy, a lease that ran out): the task
-            # sees it as redelivered, as kombu marks the messages it restores.
+        if delivery.deliveries > 1 or delivery.copy_seen:
+            # Delivered before (a counted requeue's copy, a lease that ran out, or another
+            # copy that was held here, whose count a broker restart may have lost): the
+            # task sees it as redelivered, as kombu marks the messages it restores, and
+            # the child acks it without running it if its SUCCESS is stored already.
             delivery_info["redelivered"] = True
         priority = (message.properties or {}).get("priority")
         delivery_info.setdefault("priority", priority)      # as Celery's request has it
