@@ -34,8 +34,8 @@ class Delivery:
     acked: bool = False        # acked at start (acks_late = false)
     started: bool = False
     deliveries: int = 0        # its delivery count, this delivery included (when taken)
-    #: Another copy of its task id was held here when it came up to start (a broker
-    #: connection lost between running and acking; a broker restart that lost the take).
+    #: The same message (its publisher's delivery tag) was held here, running, when it
+    #: came up to start: the broker gave it twice (a Redis restart that lost the take).
     copy_seen: bool = False
     timer: Any = field(default=None, repr=False)   # its ETA (or store retry) timer
     #: An idempotent task's claim (key, owner) while its child runs it.

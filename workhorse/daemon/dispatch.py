@@ -80,10 +80,17 @@ class Dispatch:
         while (delivery := self.holding.next_buffered(self._rate_limited)) is not None:
             if self.intake.cancelled(delivery):   # it expired or was revoked while it waited
                 continue
-            if self.holding.has_task_id(delivery.request.id or ""):
+            twin = self.holding.twin(delivery.request.id or "")
+            if twin is not None:
                 log.info("%s: a copy of it runs here already; looking again in %.0f s",
                          delivery.label, SAME_ID_RECHECK)
-                delivery.copy_seen = True
+                # The same message twice (its publisher's delivery tag: the broker gave
+                # it twice) is a redelivery, whatever its count says; one published twice
+                # under one id is not (only the idempotency guard stops that running twice).
+                tag = (delivery.message.properties or {}).get("delivery_tag")
+                if tag is not None and tag == (twin.message.properties or {}).get(
+                        "delivery_tag"):
+                    delivery.copy_seen = True
                 self.intake.schedule(delivery, SAME_ID_RECHECK)
                 continue
             return delivery

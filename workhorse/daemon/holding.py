@@ -75,11 +75,15 @@ class Holding:
 
     def has_task_id(self, task_id: str) -> bool:
         """Is a copy of this task running here, or finished and storing its result?"""
+        return self.twin(task_id) is not None
+
+    def twin(self, task_id: str) -> Delivery | None:
+        """The copy of this task running here, or finished and storing its result."""
         for stage in (self.running, self.storing):
             for delivery in stage:
                 if delivery.request.id == task_id:
-                    return True
-        return False
+                    return delivery
+        return None
 
     # ------------------------------------------------------------------ transitions
     def buffer_last(self, delivery: Delivery) -> None:
