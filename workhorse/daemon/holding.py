@@ -73,10 +73,6 @@ class Holding:
         yield from self.running
         yield from self.storing
 
-    def has_task_id(self, task_id: str) -> bool:
-        """Is a copy of this task running here, or finished and storing its result?"""
-        return self.twin(task_id) is not None
-
     def twin(self, task_id: str) -> Delivery | None:
         """The copy of this task running here, or finished and storing its result."""
         for stage in (self.running, self.storing):

@@ -207,13 +207,16 @@ class BrokerLink:
         """Hand the acks held back to the broker thread (one wakeup for all); on SQLite,
         carry them out here at once where that never waits (``_take_here``), unless
         ``here`` is False."""
-        if self._ack_timer is not None:
-            self._ack_timer.cancel()
-            self._ack_timer = None
+        self._cancel_ack_timer()
         if not self._acks or (here and self._take_here()):
             return
         acks, self._acks, self._urgent = self._acks, [], False
         self.thread.submit_acks(acks)
+
+    def _cancel_ack_timer(self) -> None:
+        if self._ack_timer is not None:
+            self._ack_timer.cancel()
+            self._ack_timer = None
 
     def _take_here(self) -> bool:
         """SQLite: the acks held back and a take of what there is room for, in one
@@ -243,9 +246,7 @@ class BrokerLink:
             for ack, error in failed:
                 say_failed(consumer, error, f"{message_label(ack.message)}: ack")
             unburied = consumer.has_unburied()
-        if self._ack_timer is not None:
-            self._ack_timer.cancel()
-            self._ack_timer = None
+        self._cancel_ack_timer()
         self._acks, self._urgent = [], False
         for ack, outcome in zip(acks, errors, strict=True):
             if ack.then is not None:        # as the broker thread posts it: next turn
