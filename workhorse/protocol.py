@@ -25,6 +25,12 @@ from .exceptions import MalformedMessage
 #: The delivery count a copy workhorse re-publishes carries (deliveries of the message
 #: before the copy that may have ended in a loss: SEMANTICS.md "delivery count").
 DELIVERIES_HEADER = "x-workhorse-deliveries"
+#: How often the message was only held (never started) by a worker that died: counted
+#: apart from deliveries, against the much larger bound ``max_held_losses``.
+HELD_LOSSES_HEADER = "x-workhorse-held-losses"
+#: Set on a message that may have been running when its worker died: it runs alone from
+#: then on (nothing else in that worker beside it), so that another death names it.
+SUSPECT_HEADER = "x-workhorse-suspect"
 #: Dead letters of a queue go to ``<queue>.dead``, with headers saying why, which task,
 #: when, from which queue and by which worker (SEMANTICS.md "settle").
 DEAD_SUFFIX = ".dead"
@@ -238,10 +244,62 @@ def parse_request(headers: Mapping[str, Any] | None) -> Request:
 def carried_deliveries(headers: Mapping[str, Any] | None) -> int:
     """The delivery count a re-published copy carries; 0 when it carries none, or one that
     is not a count (``parse_request`` says what is wrong with it)."""
-    value = (headers or {}).get(DELIVERIES_HEADER)
+    return _count(headers, DELIVERIES_HEADER)
+
+
+def carried_held_losses(headers: Mapping[str, Any] | None) -> int:
+    """How often the message was only held by a worker that died (``HELD_LOSSES_HEADER``);
+    0 when it says nothing, or nothing that is a count."""
+    return _count(headers, HELD_LOSSES_HEADER)
+
+
+def is_suspect(headers: Mapping[str, Any] | None) -> bool:
+    return bool((headers or {}).get(SUSPECT_HEADER))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a worker's death costs one message it held (its journal says, ``daemon.journal``).
+
+    ``started``: it may have started and ended in a loss: a delivery, as its take counted.
+    It is then a suspect: it runs alone from now on, so that another death names it and
+    none of its neighbours. ``held_loss``: only held, and counted as a held loss (when the
+    worker died while looking at another message held at an earlier death, only that one
+    is).
+    """
+
+    started: bool
+    held_loss: bool
+
+
+def after_loss(headers: Mapping[str, Any] | None, verdict: Verdict) -> dict[str, Any]:
+    """A message's headers once its worker died holding it, as ``verdict`` says."""
+    out = dict(headers or {})
+    if verdict.held_loss:
+        out[HELD_LOSSES_HEADER] = carried_held_losses(headers) + 1
+    if verdict.started:
+        out[SUSPECT_HEADER] = 1
+    return out
+
+
+def _count(headers: Mapping[str, Any] | None, name: str) -> int:
+    value = (headers or {}).get(name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         return 0
     return value
+
+
+def header_request(headers: Mapping[str, Any] | None,
+                   keep: Mapping[str, Any] | None = None) -> Request | None:
+    """What the headers alone say of a message (its id and task's name), for one that must
+    not be decoded; None when they give no id. Never raises. ``keep``: the headers the
+    request carries, when not these."""
+    headers = headers or {}
+    task_id, task = headers.get("id"), headers.get("task")
+    if not _is_name(task_id):
+        return None
+    return Request(id=task_id, task=task if _is_name(task) else "?",
+                   headers=headers if keep is None else keep)
 
 
 def decode_body(body: bytes | str, content_type: str | None,
@@ -305,18 +363,17 @@ def malformed_request(headers: Mapping[str, Any] | None, body: bytes | str,
                       ) -> Request | None:
     """What can be read of a message ``read_message`` refused: its id (and its task's name,
     if it gives one) to store the failure under; None when it gives no id. Never raises."""
-    headers = headers or {}
-    task_id, task = headers.get("id"), headers.get("task")
-    if not _is_v2(headers) and not _is_name(task_id):
-        try:
-            fields = _loads(body, content_type, content_encoding)
-        except MalformedMessage:
-            fields = None
-        if isinstance(fields, dict):
-            task_id, task = fields.get("id"), fields.get("task")
-    if not _is_name(task_id):
+    request = header_request(headers)
+    if request is not None or _is_v2(headers):
+        return request
+    try:
+        fields = _loads(body, content_type, content_encoding)
+    except MalformedMessage:
         return None
-    return Request(id=task_id, task=task if _is_name(task) else "?", headers=headers)
+    if not isinstance(fields, dict):
+        return None
+    return header_request({**(headers or {}), "id": fields.get("id"),
+                           "task": fields.get("task")}, headers)
 
 
 def _is_v2(headers: Mapping[str, Any] | None) -> bool:
