@@ -258,9 +258,11 @@ class FakeLink(FakeBroker):
         self.starved: list[bool] = []
         self.cancelled = False
         self.push = False
+        self.leased = False
         self.connected = True
         self.where = "memory://"
         self.queues = ["q"]
+        self.journal: Any = None
 
     def set_credit(self, count: int) -> None:
         if not self.credits or self.credits[-1] != count:
@@ -275,6 +277,9 @@ class FakeLink(FakeBroker):
 
     def start(self) -> None:
         pass
+
+    def use_journal(self, journal: Any) -> None:
+        self.journal = journal
 
     def close(self, timeout: float) -> None:
         self.connected = False

@@ -70,6 +70,7 @@ SAMPLES = {
     "acks_on_failure": ("off", False),
     "acks_on_timeout": ("0", False),
     "max_deliveries": ("7", 7),
+    "max_held_losses": ("25", 25),
     "soft_time_limit": ("10", 10.0),
     "time_limit": ("20", 20.0),
     "track_started": ("yes", True),

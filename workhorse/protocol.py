@@ -250,6 +250,8 @@ def carried_deliveries(headers: Mapping[str, Any] | None) -> int:
 def carried_held_losses(headers: Mapping[str, Any] | None) -> int:
     """How often the message was only held by a worker that died (``HELD_LOSSES_HEADER``);
     0 when it says nothing, or nothing that is a count."""
+    if not headers or HELD_LOSSES_HEADER not in headers:
+        return 0        # (nearly every message: once a task)
     return _count(headers, HELD_LOSSES_HEADER)
 
 

@@ -214,9 +214,16 @@ SETTINGS: tuple[Setting, ...] = (
             "With acks_late, acknowledge a task killed by its hard time limit; false: requeue "
             "it (counted)."),
     Setting("max_deliveries", "tasks", t.integer(1, 1000), 3,
-            "A message is delivered at most this many times, counting each delivery that "
-            "started or was held by a worker that died (a supervisor killed outright too); "
-            "past that it is dead-lettered before running."),
+            "A message is delivered at most this many times, counting each delivery that may "
+            "have started and ended in a loss (its child, or its worker, died while it ran; a "
+            "requeued Reject or hard time limit); past that it is dead-lettered before running."),
+    Setting("max_held_losses", "tasks", t.integer(20, 100000), 20,
+            "A message only held (buffered or scheduled, never started) by workers that died "
+            "this many times is dead-lettered without being looked at again: the backstop for "
+            "one that kills its supervisor before it starts (while it is read or waits). Such "
+            "losses never count toward max_deliveries. At least 20: a message that comes back "
+            "sits in the next worker's window, and may be held at every one of many deaths in "
+            "a row that it did not cause."),
     Setting("soft_time_limit", "tasks", t.seconds(positive=True).or_none(), None,
             "Seconds after which SoftTimeLimitExceeded is raised inside the task."),
     Setting("time_limit", "tasks", t.seconds(positive=True).or_none(), None,

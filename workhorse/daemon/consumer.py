@@ -34,12 +34,17 @@ from ..protocol import (
     DEAD_TASK_HEADER,
     DEAD_WORKER_HEADER,
     DELIVERIES_HEADER,
+    Verdict,
+    carried_deliveries,
+    after_loss,
     dead_letter_queue,
 )
 from ..transport.redis import Channel as RedisChannel, ListWaiter
 from ..transport.store import StoreBusy
 from ..transport.wake import Listener
 from .counting import BROKER_HEADERS, RabbitMQ, earlier_deliveries, parse_version
+from .journal import Journal, message_key
+from .recovery import LOOK_INTERVAL, DeadWorkers
 
 log = logging.getLogger("workhorse.consumer")
 
@@ -69,6 +74,10 @@ class BrokerConsumer:
     def __init__(self, app: App, queues: list[str], on_message: OnMessage,
                  on_lost: OnLost) -> None:
         self.app = app
+        #: This worker's journal: which held messages it started (``daemon.journal``),
+        #: and the dead workers' journals beside it (``use_journal``).
+        self.journal: Journal | None = None
+        self.dead_workers: DeadWorkers | None = None
         self.queues = list(queues)      # this thread's: add_queue/cancel_queue change it
         self.on_message = on_message
         self.on_lost = on_lost
@@ -103,9 +112,12 @@ class BrokerConsumer:
         connection that failed half-way, so the next attempt starts afresh."""
         connection = self.app.connection(heartbeat=AMQP_HEARTBEAT)
         try:
+            self._own_leases(connection)
             connection.ensure_connection(max_retries=retries, interval_start=0.2,
                                          interval_step=0.5)
             channel = connection.channel()
+            if self.journal is not None and isinstance(channel, RedisChannel):
+                channel.lease_owner = self.journal.owner
             driver = _driver_for(connection, channel, room)
             targets = {q: rabbitmq_dead_letter_target(connection, q) for q in self.queues}
             consumers = [
@@ -142,6 +154,40 @@ class BrokerConsumer:
         self.paused = False
         self.generation += 1
         self.connected_at = monotonic()
+        self.recover()
+
+    def _own_leases(self, connection: Connection) -> None:
+        """SQLite: each opening of the file gives its leases' tokens a prefix of its own;
+        the journal records it before any lease carries it."""
+        store = getattr(connection.transport, "store", None)
+        if self.journal is not None and store is not None:
+            store.on_open = self.journal.owned
+
+    def use_journal(self, journal: Journal) -> None:
+        """Before the first connect: the worker's journal, and those of the dead beside it."""
+        self.journal = journal
+        self.dead_workers = DeadWorkers(journal)
+
+    def recover(self) -> None:
+        """SQLite, Redis: put back at once what the workers of this broker on this host
+        that died held (their journals say which of those they started); RabbitMQ, which
+        gave it back already, only reads their journals (``count_delivery``)."""
+        deaths = self.dead_workers
+        if deaths is None or self.connection is None:
+            return
+        try:
+            if self.push:
+                deaths.read()
+            else:
+                channel: Any = self.consumers[0].channel if self.consumers else None
+                if hasattr(channel, "recover"):
+                    self._guarded(deaths.put_back, channel.recover)
+        except Exception as exc:   # tried again at the next look
+            log.error("recovering what dead workers held failed (tried again in %.0f s): %r",
+                      LOOK_INTERVAL, exc, exc_info=exc)
+
+    def journal_key(self, message: Message) -> str | None:
+        return message_key(message, self.leased)
 
     @property
     def connected(self) -> bool:
@@ -302,11 +348,13 @@ class BrokerConsumer:
         return driver is not None and now - driver.polled_at >= driver.poll_interval
 
     def periodic(self) -> list[tuple[float, Callable[[], None]]]:
-        """Housekeeping the current connection's driver needs every so often."""
+        """Housekeeping the current connection's driver needs every so often, and looking
+        for the journals of workers that died."""
         if self.driver is None:
             return []
         return [(interval, partial(self._guarded, function))
-                for interval, function in self.driver.periodic()]
+                for interval, function in self.driver.periodic()] + [
+                    (LOOK_INTERVAL, self.recover)]
 
     def set_credit(self, count: int) -> None:
         """How many unacknowledged messages the broker may have out with us (push brokers).
@@ -458,11 +506,15 @@ class BrokerConsumer:
         """Count this delivery: return the message's delivery count, this delivery
         included (SEMANTICS.md "delivery count").
 
-        SQLite and Redis counted it when the message was taken. RabbitMQ only marks a
-        redelivery, with a flag that cannot add up repeated losses: a redelivered message
-        is replaced here by a copy carrying its count (published, confirmed, to the end of
-        ``queue``) and acked. None: that happened, and the copy is the one to run, or it
-        could not happen now and the broker has the message back, still marked.
+        SQLite and Redis counted it when the message was taken (and a dead worker's
+        journal, read by ``recover``, took the count back where it only held it).
+        RabbitMQ only marks a redelivery, with a flag that cannot add up repeated losses:
+        a redelivered message is replaced here by a copy carrying its counts (published,
+        confirmed, to the end of ``queue``) and acked. What the loss counts as is what the
+        journals on this host say: a start (or nothing known: it may have started) is a
+        delivery, a message only held a held loss. None: that happened, and the copy is
+        the one to run, or it could not happen now and the broker has the message back,
+        still marked.
         """
         earlier = self._earlier(message)
         rabbitmq = self.rabbitmq
@@ -471,16 +523,25 @@ class BrokerConsumer:
             return earlier + 1
         headers = message.headers or {}
         label = f"{headers.get('task')}[{headers.get('id')}]"
+        deaths = self.dead_workers
+        verdict = deaths.verdict(self.journal_key(message)) if deaths is not None else None
+        if verdict is None or verdict.started:
+            counts = {**after_loss(headers, verdict or _UNKNOWN), DELIVERIES_HEADER: earlier}
+            said = f"delivery count ({earlier})"
+        else:
+            counts = {**after_loss(headers, verdict),
+                      DELIVERIES_HEADER: carried_deliveries(headers)}
+            said = "held loss (it was only held by a worker that died)"
         try:
-            self.hand_back(queue, message)
+            self.hand_back(queue, message, counts)
         except Exception as exc:  # noqa: BLE001 - the broker keeps it, marked redelivered
-            log.warning("%s: redelivered, but no copy carrying its delivery count (%d) could "
-                        "be published (%r); the broker delivers it again", label, earlier, exc)
+            log.warning("%s: redelivered, but no copy carrying its %s could be published "
+                        "(%r); the broker delivers it again", label, said, exc)
             if self.connected and not self.is_connection_error(exc):
                 self._return_marked(message)
             return None
         log.info("%s: redelivered by RabbitMQ after a loss; replaced by a copy carrying its "
-                 "delivery count (%d) at the end of %s", label, earlier, queue)
+                 "%s at the end of %s", label, said, queue)
         return None
 
     def _return_marked(self, message: Message) -> None:
@@ -530,11 +591,14 @@ class BrokerConsumer:
                 delivery_mode=2, retry=False, timeout=BROKER_TIMEOUT, **properties)
         self._settling(producer.channel, publish)
 
-    def hand_back(self, queue: str, message: Message) -> None:
+    def hand_back(self, queue: str, message: Message,
+                  headers: Mapping[str, Any] | None = None) -> None:
         """A fresh copy to the end of its queue, then ack: not a delivery that counts (the
-        copy carries the deliveries before this one that did)."""
+        copy carries the deliveries before this one that did, or ``headers``)."""
         self._still_held(message)
-        self.republish(queue, message, {DELIVERIES_HEADER: self._earlier(message)})
+        self.republish(queue, message,
+                       headers if headers is not None
+                       else {DELIVERIES_HEADER: self._earlier(message)})
         self.ack(message)
 
     def requeue_counted(self, queue: str, message: Message, deliveries: int) -> None:
@@ -574,6 +638,10 @@ class BrokerConsumer:
             self.republish(dead_letter_queue(queue), message, headers)
         if not acked:
             self.ack(message)
+
+
+#: A loss no journal on this host explains: it may have been a start, and counts as one.
+_UNKNOWN = Verdict(started=True, held_loss=False)
 
 
 def _not_acked(messages: list[Message], numbers: Iterable[int],

@@ -1,5 +1,5 @@
-"""The delivery count (SEMANTICS.md): how many deliveries of a message may have ended in a
-loss — started, or held by a worker that died. Pure: it reads what a message says.
+"""The delivery count (SEMANTICS.md): how many deliveries of a message may have started
+and ended in a loss. Pure: it reads what a message says.
 
 A message's count has two parts. What a copy carries in its header
 (``protocol.DELIVERIES_HEADER``): workhorse republishes a message, with its count, when it
@@ -8,13 +8,15 @@ counted for this very message, this delivery included:
 
 - SQLite and Redis count each take in the step that takes it (``delivery_info
   ["delivery_count"]``), so a supervisor killed outright has counted already; a clean
-  hand-back by a live worker takes it back.
+  hand-back by a live worker takes it back, and so does the recovery of a dead worker's
+  messages for those its journal says were only held (``daemon.recovery``).
 - RabbitMQ only marks a redelivery: the ``redelivered`` flag, which after a lost
   connection or a dead worker means at least one loss (workhorse never requeues through
   the broker, whose requeue sets the flag too). On quorum queues the header
   ``x-delivery-count`` also says how often the message went back to its queue, but its
   meaning depends on the server's version (``RabbitMQ``). A boolean cannot add up repeated
-  losses, so the consumer replaces each redelivered message by a copy carrying the count.
+  losses, so the consumer replaces each redelivered message by a copy carrying the count,
+  or a held loss where the journals on the host say it was only held.
 """
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ from ..protocol import (
     DEAD_TASK_HEADER,
     DEAD_WORKER_HEADER,
     DELIVERIES_HEADER,
+    HELD_LOSSES_HEADER,
 )
 from ..queues import ensure_queue
 from ..transport import unreadable
@@ -300,7 +301,8 @@ def requeue_dead(connection: Connection, dead_queue: str, ids: Collection[str] |
 def _replay(producer: Producer, content: Content, target: str) -> None:
     headers = {k: v for k, v in content.headers.items()
                if k not in DEAD_HEADERS and k not in BROKER_HEADERS and k != "redelivered"}
-    headers[DELIVERIES_HEADER] = 0      # an operator's replay: a fresh delivery count
+    headers[DELIVERIES_HEADER] = 0      # an operator's replay: fresh counts (a suspect
+    headers.pop(HELD_LOSSES_HEADER, None)   # stays one: if it kills, it kills alone)
     properties = {k: content.properties[k] for k in _KEPT_PROPERTIES
                   if content.properties.get(k) is not None}
     producer.publish(content.body, exchange="", routing_key=target, headers=headers,

@@ -34,6 +34,12 @@ class Delivery:
     acked: bool = False        # acked at start (acks_late = false)
     started: bool = False
     deliveries: int = 0        # its delivery count, this delivery included (when taken)
+    #: How the worker's journal names it (None: not journaled, its losses count as starts).
+    key: str | None = None
+    #: It may have been running when a worker died: it runs alone (``Dispatch``).
+    suspect: bool = False
+    #: How often it was held (never started) by a worker that died.
+    held_losses: int = 0
     #: The same message (its publisher's delivery tag) was held here, running, when it
     #: came up to start: the broker gave it twice (a Redis restart that lost the take).
     copy_seen: bool = False

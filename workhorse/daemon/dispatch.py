@@ -1,7 +1,10 @@
 """Handing buffered messages to idle children, one job each: the start of a task.
 
 With ``acks_late = false`` the message is acked first (at-most-once); the time limits
-are armed as the child takes it.
+are armed as the child takes it. Each start is in the worker's journal before the job
+reaches its child. A suspect (it may have been running when a worker died) starts only
+once every child is idle, and nothing starts beside it: should the worker die again, the
+journal names it, not a neighbour.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from .delivery import Delivery, Stage
 from .events import TaskEvents
 from .holding import Holding
 from .intake import Intake
+from .journal import Journal
 from .loop import Loop, Timer
 from .slots import Slots
 
@@ -60,21 +64,37 @@ class Dispatch:
         self._rate_wakeup: Timer | None = None    # set while a rate-limited message waits
         #: Did the last dispatch leave a child idle, for want of a message that may start?
         self.left_idle = False
+        #: The worker's journal (set by the supervisor once it is open).
+        self.journal: Journal | None = None
+        #: A suspect that runs (or waits for its ack at start), alone.
+        self._alone: Delivery | None = None
 
     def dispatch(self) -> None:
         """Give each idle child the next buffered message that may start now. One whose
         ack at start is on its way has an idle child kept for it."""
         idle = list(self.slots.idle())
         self.left_idle = False
+        alone = self._alone
+        if alone is not None:
+            if alone.stage in (Stage.RUNNING, Stage.ACKING, Stage.NEW):
+                return
+            self._alone = None
         for child in idle[len(self.holding.acking):]:
             delivery = self._next_startable()
             if delivery is None:
                 self.left_idle = True
                 return
+            if delivery.suspect:
+                if self.holding.running or self.holding.acking:
+                    self.holding.buffer_first(delivery)     # once the others are over
+                    return
+                self._alone = delivery
             if delivery.policy.acks_late or delivery.acked:
                 self._start(child, delivery)
             else:
                 self._ack_at_start(delivery)
+            if delivery.suspect:
+                return
 
     def _next_startable(self) -> Delivery | None:
         while (delivery := self.holding.next_buffered(self._rate_limited)) is not None:
@@ -119,6 +139,8 @@ class Dispatch:
 
     def _start(self, child: Child, delivery: Delivery) -> None:
         hard, soft = self._limits(delivery)
+        if self.journal is not None and delivery.key is not None:
+            self.journal.started(delivery.key)      # before the child can run it
         if not self.slots.start(child, delivery, self._job(delivery), hard, soft):
             self.holding.buffer_first(delivery)     # never started: first in line again
             return
@@ -131,11 +153,12 @@ class Dispatch:
     def _job(self, delivery: Delivery) -> Job:
         request, message = delivery.request, delivery.message
         delivery_info = dict(message.delivery_info or {})
-        if delivery.deliveries > 1 or delivery.copy_seen:
-            # Delivered before (a counted requeue's copy, a lease that ran out, or another
-            # copy that was held here, whose count a broker restart may have lost): the
-            # task sees it as redelivered, as kombu marks the messages it restores, and
-            # the child acks it without running it if its SUCCESS is stored already.
+        if delivery.deliveries > 1 or delivery.copy_seen or delivery.held_losses:
+            # Delivered before (a counted requeue's copy, a lease that ran out, another
+            # copy that was held here, whose count a broker restart may have lost, or held
+            # by a worker that died, maybe once its task was over): the task sees it as
+            # redelivered, as kombu marks the messages it restores, and the child acks it
+            # without running it if its SUCCESS is stored already.
             delivery_info["redelivered"] = True
         priority = (message.properties or {}).get("priority")
         delivery_info.setdefault("priority", priority)      # as Celery's request has it

@@ -14,7 +14,14 @@ from kombu.message import Message
 from ..control.revoked import Revoked
 from ..exceptions import MalformedMessage, NotRegistered
 from ..outcome import Outcome, Policy
-from ..protocol import Request, malformed_request, read_request
+from ..protocol import (
+    Request,
+    carried_held_losses,
+    header_request,
+    is_suspect,
+    malformed_request,
+    read_request,
+)
 from .current import Current
 from .delivery import Delivery, Stage
 from .events import TaskEvents
@@ -65,9 +72,15 @@ class Intake:
         self._seq = 0
         self._policies: dict[int, tuple[Any, Settings, Policy]] = {}
 
-    def accept(self, queue: str, message: Message, deliveries: int) -> None:
+    def accept(self, queue: str, message: Message, deliveries: int,
+               key: str | None = None) -> None:
         """Look at one received message and place it. ``deliveries``: its delivery count,
-        this delivery included, as the broker thread counted it on arrival."""
+        this delivery included, as the broker thread counted it on arrival; ``key``: how
+        the worker's journal names it."""
+        held = carried_held_losses(message.headers)
+        if held >= self.current.settings.max_held_losses:
+            self._held_too_often(queue, message, held)
+            return
         try:
             request = read_request(message.headers, message.body, message.content_type,
                                    message.content_encoding)
@@ -84,11 +97,14 @@ class Intake:
         if self.cancelled(delivery):
             return
         delivery.deliveries = deliveries
+        delivery.key = key
+        delivery.suspect = is_suspect(message.headers)
+        delivery.held_losses = held
         policy = delivery.policy
         if deliveries > policy.max_deliveries:
             detail = (f"delivery {deliveries} of at most {policy.max_deliveries} "
-                      f"(max_deliveries): the {deliveries - 1} before it started, or were "
-                      f"held by a worker that died")
+                      f"(max_deliveries): the {deliveries - 1} before it may have started "
+                      f"and ended in a loss")
             log.error("%s: %s; dead-lettered", delivery.label, detail)
             self.settlement.settle(delivery, Outcome.TOO_MANY_DELIVERIES, detail)
             return
@@ -97,8 +113,26 @@ class Intake:
         now = self.now()
         if request.eta is not None and request.eta > now:
             self.schedule(delivery, (request.eta - now).total_seconds())
+        elif delivery.suspect:      # first, and alone (Dispatch): soon over, or named
+            self.holding.buffer_first(delivery)
+        else:
+            self.holding.buffer_last(delivery)
+
+    def _held_too_often(self, queue: str, message: Message, held: int) -> None:
+        """The backstop for a message that kills its supervisor before it starts (while it
+        is read or waits): dead-lettered unread, from what its headers say."""
+        limit = self.current.settings.max_held_losses
+        detail = (f"held by {held} workers that died before it started (max_held_losses = "
+                  f"{limit}): it may be what killed them; not looked at again")
+        request = header_request(message.headers)
+        if request is None:
+            self.settlement.dead_letter_malformed(queue, message, detail,
+                                                  kind=Outcome.TOO_MANY_DELIVERIES)
             return
-        self.holding.buffer_last(delivery)
+        delivery = self._delivery(queue, message, request,
+                                  self.current.app.tasks.get(request.task))
+        log.error("%s: %s; dead-lettered", delivery.label, detail)
+        self.settlement.settle(delivery, Outcome.TOO_MANY_DELIVERIES, detail)
 
     def _delivery(self, queue: str, message: Message, request: Request,
                   task: Any) -> Delivery:

@@ -101,10 +101,13 @@ def safe_key(key: str | None) -> str | None:
 
 
 class Journal:
-    """This worker's journal, written by the loop thread (starts, ends) and the broker
-    thread (owners, arrivals), one ``write(2)`` a call, under a lock. Its file is locked
-    (``flock``) for as long as the worker lives: a journal whose lock can be taken belongs
-    to a worker that is gone."""
+    """This worker's journal. The loop thread writes it: a start (and a look at a message
+    held at an earlier death) at once, one ``write(2)`` each, carrying what waited for it;
+    arrivals and the end of a look before the loop waits; the end of a task with the next
+    write (should the worker die first, the task counts as started: pessimistic, never
+    wrong the other way). The broker thread adds owner marks (a SQLite file opened
+    anew). Its file is locked (``flock``) for as long as the worker lives: a journal whose
+    lock can be taken belongs to a worker that is gone."""
 
     def __init__(self, path: Path, fd: int, owner: str, boot: str,
                  held_now: Callable[[], Iterable[Entry]]) -> None:
@@ -115,7 +118,10 @@ class Journal:
         self._boot = boot
         self._held_now = held_now
         self._lock = threading.Lock()
+        #: Records waiting for the next write (loop thread); ``_urgent``: written before
+        #: the loop waits, not only with the next start.
         self._lazy: list[str] = []
+        self._urgent = False
         self._size = 0
         self._owners: list[str] = []
         self.valid = True
@@ -123,7 +129,7 @@ class Journal:
         #: Keys of messages a lost RabbitMQ connection took back while only held: they come
         #: back marked redelivered (key -> monotonic time it was noted).
         self.returned: dict[str, float] = {}
-        self._write_now([self._header(), f"O {owner}\n"])
+        self._write_now(f"{self._header()}O {owner}\n")
         self._owners.append(owner)
 
     @classmethod
@@ -146,45 +152,44 @@ class Journal:
 
     # -- records
     def owned(self, owner: str) -> None:
-        """Leases taken from now on carry ``owner`` (a SQLite opening's token prefix)."""
+        """Any thread, at once: leases taken from now on carry ``owner`` (a SQLite
+        opening's token prefix)."""
         with self._lock:
             if owner not in self._owners:
                 self._owners.append(owner)
-            self._write([f"O {owner}\n"])
+            if self.valid:
+                self._write_now(f"O {owner}\n")
 
-    def arrived(self, keys: Iterable[str]) -> None:
-        """Messages that carry no owner mark (RabbitMQ) arrived: one write for them all."""
-        lines = [f"H {key}\n" for key in keys]
-        if lines:
-            with self._lock:
-                self._write(lines)
+    def arrived(self, key: str) -> None:
+        """A message whose lease carries no owner mark (RabbitMQ) arrived."""
+        self._lazy.append(f"H {key}\n")
+        self._urgent = True
 
     def started(self, key: str) -> None:
         """Before a job goes to its child. Returns once the start is in the journal, or the
         journal is emptied (it then charges every loss): never with the journal saying
         "held" of a message about to start. Raises only if neither could be done (the job
         must then not start)."""
-        with self._lock:
-            self._write([f"S {key}\n"])
+        self._write(f"S {key}\n")
 
     def reading(self, key: str) -> None:
         """Before looking at a message that was held at an earlier death."""
-        with self._lock:
-            self._write([f"R {key}\n"])
+        self._write(f"R {key}\n")
 
     def done_reading(self) -> None:
         self._lazy.append("r\n")
+        self._urgent = True
 
     def ended(self, key: str) -> None:
-        """The task's code is over (written with the next record, or before the loop waits)."""
+        """The task's code is over."""
         self._lazy.append(f"E {key}\n")
 
     def flush(self) -> None:
-        """Loop thread, before it waits: what waited to be written with a start, and a
-        rewrite when the file grew past COMPACT_AT (or could not be written before)."""
-        if self._lazy:
-            with self._lock:
-                self._write([])
+        """Loop thread, before it looks at what arrived and before it waits: arrivals and
+        the end of a look, and a rewrite when the file grew past COMPACT_AT (or could not
+        be written before)."""
+        if self._urgent:
+            self._write(None)
         if self._size > COMPACT_AT or (not self.valid and time.monotonic() >= self._retry_at):
             self.rewrite()
 
@@ -204,18 +209,21 @@ class Journal:
             return self.returned.pop(key, None) is not None
 
     # -- writing
-    def _write(self, lines: list[str]) -> None:
-        """Under the lock: the lazy records, then ``lines``, in one write."""
-        if not self.valid:
-            self._lazy.clear()
-            return
+    def _write(self, line: str | None) -> None:
+        """Loop thread: what waited, then ``line``, in one write."""
         if self._lazy:
-            lines = self._lazy + lines
-            self._lazy = []
-        self._write_now(lines)
+            lines, self._lazy, self._urgent = self._lazy, [], False
+            if line is not None:
+                lines.append(line)
+            line = "".join(lines)
+        elif line is None:
+            return
+        with self._lock:
+            if self.valid:
+                self._write_now(line)
 
-    def _write_now(self, lines: list[str]) -> None:
-        data = "".join(lines).encode()
+    def _write_now(self, text: str) -> None:
+        data = text.encode()
         try:
             written = os.write(self._fd, data)
             if written != len(data):
@@ -229,7 +237,6 @@ class Journal:
         """The journal cannot be written: empty it (that needs no room) and write nothing
         more until a rewrite succeeds. Raises if it can be neither emptied nor removed."""
         self.valid = False
-        self._lazy.clear()
         self._retry_at = time.monotonic() + RETRY_AFTER
         try:
             os.ftruncate(self._fd, 0)
@@ -253,7 +260,6 @@ class Journal:
                     lines.append(f"S {key}\n")
                 if ended:
                     lines.append(f"E {key}\n")
-            lines += self._lazy
             data = "".join(lines).encode()
             beside = self.path.with_name(self.path.name + ".new")
             try:
@@ -278,7 +284,6 @@ class Journal:
             os.close(self._fd)
             self._fd = fd
             self._size = written
-            self._lazy = []
             if not self.valid:
                 self.valid = True
                 log.info("journal %s: written again", self.path)
@@ -290,7 +295,7 @@ class Journal:
             if remove:
                 self.path.unlink(missing_ok=True)
             elif self._lazy and self.valid:
-                self._write([])
+                self._write_now("".join(self._lazy))
             os.close(self._fd)
             self._fd = -1
 

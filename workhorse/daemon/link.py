@@ -21,6 +21,7 @@ from .brokerthread import Ack, BrokerThread, Command, Wakeup, message_label, say
 from .loop import Timer
 from ..urls import redact
 from .consumer import BrokerConsumer
+from .journal import Journal
 
 if TYPE_CHECKING:
     from ..app import App
@@ -75,6 +76,11 @@ class BrokerLink:
 
     def start(self) -> None:
         self.thread.start()
+
+    def use_journal(self, journal: Journal) -> None:
+        """Before ``start``: the worker's journal, which the broker thread writes what it
+        takes into (and reads the journals of dead workers beside)."""
+        self.thread.consumer.use_journal(journal)
 
     def parked(self) -> AbstractContextManager[bool]:
         """Around fork(): True while the broker thread is parked (see BrokerThread.parked)."""

@@ -178,18 +178,20 @@ class Settlement:
             log.warning("%s: could not give it back (%r); the broker returns it when its "
                         "lease ends or the connection closes", label, exc)
 
-    def dead_letter_malformed(self, queue: str, message: Message, reason: str) -> None:
-        """A malformed message that gives no task id: there is no result to fail, so it is
-        only dead-lettered (one that gives an id is settled as Outcome.MALFORMED)."""
+    def dead_letter_malformed(self, queue: str, message: Message, reason: str, *,
+                              kind: Outcome = Outcome.MALFORMED) -> None:
+        """A message that gives no task id, dead-lettered for ``kind`` (malformed, or
+        held by too many workers that died): there is no result to fail, so it is only
+        dead-lettered (one that gives an id is settled as ``kind``)."""
         if self.metrics is not None:
             self.metrics.dead_lettered += 1
-        log.error("malformed message on %s, giving no task id (no result stored), "
-                  "dead-lettered to %s.dead: %s", queue, queue, reason)
+        log.error("%s message on %s, giving no task id (no result stored), dead-lettered "
+                  "to %s.dead: %s", kind.value, queue, queue, reason)
         try:
-            self.broker.dead_letter(queue, message, f"malformed: {reason}", None,
+            self.broker.dead_letter(queue, message, f"{kind.value}: {reason}", None,
                                     self.hostname, acked=False, or_requeue=True)
         except Exception as exc:  # noqa: BLE001 - the broker delivers it again
-            self._broker_failed(f"a malformed message on {queue}", "dead-letter", exc)
+            self._broker_failed(f"a {kind.value} message on {queue}", "dead-letter", exc)
 
     # ------------------------------------------------------------------ results
     def _store(self, delivery: Delivery, decision: Decision, detail: str | None) -> None:

@@ -35,6 +35,7 @@ from ..control.inspect import TaskInfo, WorkerView
 from ..outcome import Outcome
 from ..pool.ipc import Done
 from ..pool.runtime import ChildRuntime
+from ..protocol import HELD_LOSSES_HEADER
 from ..urls import redact
 from . import systemd
 from .delivery import Delivery, Stage
@@ -44,6 +45,7 @@ from .dispatch import Dispatch
 from .exitcodes import ExitCode
 from .holding import Holding
 from .intake import Intake
+from .journal import Entry, Journal, directory_for, message_key
 from .leases import Leases
 from .link import BrokerLink
 from .loop import Loop
@@ -166,6 +168,9 @@ class Supervisor:
         self.processed = 0
         self.health_file = health_path(settings.state_dir, self.hostname)
         self._health_failed = False
+        #: Which held messages were started, for whoever finds this worker dead (opened
+        #: in ``run``, before the broker thread takes anything).
+        self.journal: Journal | None = None
 
     @property
     def app(self) -> App:
@@ -203,6 +208,7 @@ class Supervisor:
         self.app.backend.retry_policy = RetryPolicy(always_retry=False)
         try:
             _log_banner(self.current, self.holding.window)
+            self._open_journal()
             self.slots.spawn_all()
             self._start_timers()
             self.phase = Phase.RUNNING
@@ -228,11 +234,44 @@ class Supervisor:
             with contextlib.suppress(OSError):
                 self.health_file.unlink()
             self.link.close(timeout=BROKER_TIMEOUT)
+            if self.journal is not None:
+                # Everything held was settled or handed back: nothing to recover from it.
+                self.journal.close(remove=not self.holding.inbox
+                                   and not self.holding.unsettled())
             self.signals.restore()
             self.loop.close()
             self.system.close()
         log.info("workhorse %s stopped", self.hostname)
         return self.exit_code
+
+    def _open_journal(self) -> None:
+        """The journal, in ``<state_dir>/journal/<broker>/``; without one (the directory
+        cannot be written), a death of this worker counts every message it held as a
+        delivery, as its take counted it."""
+        s = self.settings
+        directory = directory_for(s.state_dir, redact(s.broker_url))
+        try:
+            journal = Journal.create(directory, self.hostname, self._journal_entries)
+        except OSError as exc:
+            log.warning("journal: cannot write in %s (%s); a death of this worker will count "
+                        "every message it holds as a delivery, started or not", directory, exc)
+            return
+        self.journal = self.dispatch.journal = journal
+        self.link.use_journal(journal)
+        self.loop.before_wait(journal.flush)
+
+    def _journal_entries(self) -> Iterator[Entry]:
+        """What the journal says when it is written afresh: each held message (named on
+        arrival where its lease carries no owner), and which were started and are over."""
+        arrivals = self.link.push
+        for delivery in self.holding.all():
+            if delivery.key is not None and not delivery.acked:
+                yield delivery.key, arrivals, delivery.started, delivery.done is not None
+        if arrivals:
+            for _, message, _ in self.holding.inbox:
+                key = message_key(message, leased=False)
+                if key is not None:
+                    yield key, True, False, False
 
     @contextlib.contextmanager
     def _may_fork(self) -> Iterator[bool]:
@@ -367,8 +406,13 @@ class Supervisor:
     # ------------------------------------------------------------------ broker
     def receive(self, queue: str, message: Message, deliveries: int) -> None:
         """The broker thread hands over a raw message (the child decodes the body) and its
-        delivery count; it is looked at after this turn's events."""
+        delivery count; it is looked at after this turn's events. RabbitMQ's deliveries
+        carry no owner mark: the journal names them as they arrive."""
         self.holding.inbox.append((queue, message, deliveries))
+        if self.journal is not None and self.link.push:
+            key = message_key(message, leased=False)
+            if key is not None:
+                self.journal.arrived(key)
 
     def _connected(self) -> None:
         if self.metrics is not None:
@@ -389,7 +433,13 @@ class Supervisor:
         keep our leases, which we go on renewing). The broker thread reconnects."""
         dropped = 0
         if self.link.push:
-            dropped = len(self.holding.take_waiting()) + len(self.holding.inbox)
+            waiting = self.holding.take_waiting()
+            if self.journal is not None:    # they come back marked redelivered: held, not run
+                self.journal.note_returned(key for key in (
+                    *(d.key for d in waiting if not d.acked),
+                    *(message_key(m, leased=False) for _, m, _ in self.holding.inbox))
+                    if key is not None)
+            dropped = len(waiting) + len(self.holding.inbox)
             self.holding.inbox.clear()
         log.error("broker connection lost (%r): %d running tasks go on%s; reconnecting",
                   exc, self.slots.running,
@@ -413,17 +463,32 @@ class Supervisor:
         inbox = self.holding.inbox
         if not self._revokes_known and self._accepting():
             return      # RabbitMQ pushes before we ask: they wait, held, for the revokes
+        journal, leased = self.journal, self.link.leased
+        if journal is not None:
+            journal.flush()     # what arrived is named before anything is read of it
         while inbox:
             queue, message, deliveries = inbox.popleft()
-            if self._accepting():
-                self.intake.accept(queue, message, deliveries)
-            else:
+            if not self._accepting():
                 self.settlement.give_back(queue, message)   # came after we stopped fetching
+                continue
+            key = message_key(message, leased)
+            if journal is None or key is None:
+                self.intake.accept(queue, message, deliveries, key)
+            elif HELD_LOSSES_HEADER in (message.headers or ()):
+                # Held at an earlier death: should this one kill us while we look at it,
+                # the journal names it (and not its neighbours) as the one to count.
+                journal.reading(key)
+                self.intake.accept(queue, message, deliveries, key)
+                journal.done_reading()
+            else:
+                self.intake.accept(queue, message, deliveries, key)
 
     # ------------------------------------------------------------------ pool events
     def job_done(self, delivery: Delivery, done: Done) -> None:
         delivery.claim = None       # the child ended it
         delivery.done = done
+        if self.journal is not None and delivery.key is not None:
+            self.journal.ended(delivery.key)
         self.totals[delivery.request.task] += 1
         self.processed += 1
         if self.metrics is not None and done.runtime is not None:

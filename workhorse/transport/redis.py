@@ -58,7 +58,7 @@ import contextlib
 import hashlib
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from time import monotonic, time
 from typing import Any
 
@@ -68,7 +68,7 @@ from kombu.utils.json import dumps, loads
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
-from ..protocol import dead_letter_queue
+from ..protocol import Verdict, after_loss, dead_letter_queue
 from . import unreadable
 
 log = logging.getLogger("workhorse.transport.redis")
@@ -104,33 +104,37 @@ end
 return 0
 """)
 # Ack, then take: one round trip for a turn's acks and the next messages. First the acks:
-# for each (tag, score) pair in ARGV[4 .. 3 + 2 * ARGV[3]], remove the lease (and the
-# delivery count) if the score is ours; a lease lost meanwhile is left to its new holder.
-# Then take up to ARGV[2] (0: acks alone) messages off the lists, in order (a list is
-# emptied before the next is read), each recorded as unacked and its delivery counted, in
-# the same step. KEYS: unacked_index, unacked, delivery_counts, then the lists in order.
-# ARGV: the score, the limit, the number of ack pairs, the pairs. Returns the number of
-# lost acks and their tags, then {position of the list, message, delivery count, delivery
-# tag} for each message taken, flattened. An entry that is not kombu's JSON with a
+# for each (tag, score) pair in ARGV[5 .. 4 + 2 * ARGV[4]], remove the lease (its delivery
+# count and owner mark with it) if the score is ours; a lease lost meanwhile is left to its
+# new holder. Then take up to ARGV[2] (0: acks alone) messages off the lists, in order (a
+# list is emptied before the next is read), each recorded as unacked, its delivery counted
+# and, when ARGV[3] is not empty, marked as leased by that owner (the worker's journal
+# names its owner: a worker that finds it dead puts back what it held), in the same step.
+# KEYS: unacked_index, unacked, delivery_counts, lease_owners, then the lists in order.
+# ARGV: the score, the limit, the owner, the number of ack pairs, the pairs. Returns the
+# number of lost acks and their tags, then {position of the list, message, delivery count,
+# delivery tag} for each message taken, flattened. An entry that is not kombu's JSON with a
 # delivery tag cannot be acked or put back: it is left in place, and returned last, with
 # its list's position negated.
 _ACK_TAKE = Script("""
 local out = {0}
-local acks = tonumber(ARGV[3])
-for i = 4, 3 + 2 * acks, 2 do
+local acks = tonumber(ARGV[4])
+for i = 5, 4 + 2 * acks, 2 do
     local score = redis.call('ZSCORE', KEYS[1], ARGV[i])
     if score and tonumber(score) == tonumber(ARGV[i + 1]) then
         redis.call('ZREM', KEYS[1], ARGV[i])
         redis.call('HDEL', KEYS[2], ARGV[i])
         redis.call('HDEL', KEYS[3], ARGV[i])
+        redis.call('HDEL', KEYS[4], ARGV[i])
     else
         table.insert(out, ARGV[i])
         out[1] = out[1] + 1
     end
 end
 local limit = tonumber(ARGV[2])
+local owner = ARGV[3]
 local taken = 0
-local i = 4
+local i = 5
 while i <= #KEYS and taken < limit do
     local payload = redis.call('LINDEX', KEYS[i], -1)
     if not payload then
@@ -140,7 +144,7 @@ while i <= #KEYS and taken < limit do
         local props = ok and type(message) == 'table' and message['properties']
         local tag = type(props) == 'table' and props['delivery_tag']
         if type(tag) ~= 'string' then
-            table.insert(out, 3 - i)
+            table.insert(out, 4 - i)
             table.insert(out, payload)
             table.insert(out, 0)
             table.insert(out, '')
@@ -156,7 +160,10 @@ while i <= #KEYS and taken < limit do
         redis.call('HSET', KEYS[2], tag, '[' .. payload .. ',' .. cjson.encode(exchange)
                    .. ',' .. cjson.encode(routing_key) .. ']')
         local count = redis.call('HINCRBY', KEYS[3], tag, 1)
-        table.insert(out, i - 3)
+        if owner ~= '' then
+            redis.call('HSET', KEYS[4], tag, owner)
+        end
+        table.insert(out, i - 4)
         table.insert(out, payload)
         table.insert(out, count)
         table.insert(out, tag)
@@ -176,15 +183,16 @@ end
 return 0
 """)
 # Replace a taken message Python cannot read by its envelope, while the lease is ours.
-# KEYS: unacked_index, unacked, delivery_counts, the dead-letter list. ARGV: tag, our
-# score, the envelope.
+# KEYS: unacked_index, unacked, delivery_counts, lease_owners, the dead-letter list. ARGV:
+# tag, our score, the envelope.
 _BURY_TAKEN = Script("""
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if score and tonumber(score) == tonumber(ARGV[2]) then
     redis.call('ZREM', KEYS[1], ARGV[1])
     redis.call('HDEL', KEYS[2], ARGV[1])
     redis.call('HDEL', KEYS[3], ARGV[1])
-    redis.call('LPUSH', KEYS[4], ARGV[3])
+    redis.call('HDEL', KEYS[4], ARGV[1])
+    redis.call('LPUSH', KEYS[5], ARGV[3])
     return 1
 end
 return 0
@@ -324,7 +332,8 @@ class QoS(redis.QoS):
                 return
             payload = pipe.hget(self.unacked_key, tag)
             pipe.multi()
-            pipe.zrem(self.unacked_index_key, tag).hdel(self.unacked_key, tag)
+            pipe.zrem(self.unacked_index_key, tag).hdel(self.unacked_key, tag).hdel(
+                self.channel.lease_owners_key, tag)
             if uncount:
                 pipe.hincrby(self.channel.delivery_counts_key, tag, -1)
             if payload:
@@ -372,9 +381,11 @@ class QoS(redis.QoS):
         ours, in one round trip; a lease lost meanwhile is left to its new holder."""
         args, lost = self._ours(tags)
         if args:        # _ACK_TAKE with nothing to take
-            reply = self.channel.run(_ACK_TAKE, (self.unacked_index_key, self.unacked_key,
-                                                 self.channel.delivery_counts_key),
-                                     ("0", 0, len(args) // 2, *args))
+            channel = self.channel
+            reply = channel.run(_ACK_TAKE, (self.unacked_index_key, self.unacked_key,
+                                            channel.delivery_counts_key,
+                                            channel.lease_owners_key),
+                                ("0", 0, "", len(args) // 2, *args))
             lost += _texts(reply[1:])
         self._lost_before_settled(lost)
 
@@ -388,7 +399,8 @@ class QoS(redis.QoS):
         for tag in tags:
             if tag not in self._scores:   # not delivered through this QoS: kombu's removal
                 self._remove_from_indices(tag).hdel(
-                    self.channel.delivery_counts_key, tag).execute()
+                    self.channel.delivery_counts_key, tag).hdel(
+                    self.channel.lease_owners_key, tag).execute()
                 continue
             score = self._scores[tag]
             if score is None:
@@ -444,6 +456,11 @@ class Channel(redis.Channel):
 
     #: The hash of delivery counts (delivery tag -> deliveries counted), beside kombu's keys.
     delivery_counts_key = "delivery_counts"
+    #: The hash of lease owners (delivery tag -> the owner mark of the worker holding it).
+    lease_owners_key = "lease_owners"
+    #: The mark this channel's takes give their leases ('' : none); the worker sets it to
+    #: its journal's owner, so a worker that finds its journal dead puts back what it held.
+    lease_owner = ""
     #: How long the sweep leaves a lease no workhorse worker took (QoS._foreign_and_fresh):
     #: the celery_visibility_timeout setting.
     foreign_visibility_timeout = 3600.0
@@ -457,6 +474,45 @@ class Channel(redis.Channel):
     def forget(self, delivery_tag: str) -> None:
         """Drop a message whose lease ``renew`` reported lost, uncounting our delivery."""
         self.qos.forget(delivery_tag)
+
+    def recover(self, owners: Iterable[str], judge: Callable[[str], Verdict]) -> int:
+        """Put back at once what a worker that is gone held: the leases marked with one of
+        ``owners`` (its journal's), each as ``judge(delivery tag)`` says: a start keeps the
+        delivery its take counted; a message only held gets it back, and its headers count
+        the held loss (``protocol.after_loss``). First in line again, as kombu's sweep
+        puts a message back. Returns how many."""
+        names = set(owners)
+        with self.conn_or_acquire() as client:
+            tags = [_text(tag) for tag, owner in client.hscan_iter(self.lease_owners_key,
+                                                                   count=1000)
+                    if _text(owner) in names]
+            return sum(self._recover_one(client, tag, names, judge(tag)) for tag in tags)
+
+    def _recover_one(self, client: Any, tag: str, owners: set[str], verdict: Verdict) -> bool:
+        """One transaction: only while the lease is still the dead owner's."""
+        done = False
+
+        def recover(pipe: Any) -> None:
+            nonlocal done
+            owner = pipe.hget(self.lease_owners_key, tag)
+            if owner is None or _text(owner) not in owners or pipe.zscore(
+                    self.unacked_index_key, tag) is None:
+                return
+            entry = pipe.hget(self.unacked_key, tag)
+            counted = int(pipe.hget(self.delivery_counts_key, tag) or 0)
+            pipe.multi()
+            pipe.zrem(self.unacked_index_key, tag).hdel(self.unacked_key, tag).hdel(
+                self.lease_owners_key, tag)
+            if not verdict.started and counted > 0:
+                pipe.hincrby(self.delivery_counts_key, tag, -1)
+            if entry:
+                message, exchange, routing_key = loads(entry)
+                message["headers"] = after_loss(message.get("headers"), verdict)
+                self._do_restore_message(message, exchange, routing_key, pipe)
+            done = True
+        client.transaction(recover, self.unacked_key, self.unacked_index_key,
+                           self.lease_owners_key, self.delivery_counts_key)
+        return done
 
     def list_keys(self, queues: Iterable[str]) -> tuple[str, ...]:
         """The Redis lists behind ``queues``: by priority first, as kombu's BRPOP reads them.
@@ -554,9 +610,9 @@ class Channel(redis.Channel):
         pairs, lost = self.qos._ours(acks)
         score = time()
         reply = self.run(_ACK_TAKE, (self.unacked_index_key, self.unacked_key,
-                                     self.delivery_counts_key, *keys),
+                                     self.delivery_counts_key, self.lease_owners_key, *keys),
                          (repr(score), min(limit, self.MAX_TAKE) if keys else 0,
-                          len(pairs) // 2, *pairs))
+                          self.lease_owner, len(pairs) // 2, *pairs))
         nlost = int(reply[0])
         self.qos._acked(acks, [*lost, *_texts(reply[1:1 + nlost])])
         reply = reply[1 + nlost:]
@@ -611,7 +667,7 @@ class Channel(redis.Channel):
         """Dead-letter a message taken but unreadable here, in its envelope."""
         dead = dead_letter_queue(queue)
         buried = self.run(_BURY_TAKEN, (self.unacked_index_key, self.unacked_key,
-                                        self.delivery_counts_key, dead),
+                                        self.delivery_counts_key, self.lease_owners_key, dead),
                           (tag, repr(score), unreadable.envelope(payload, why, queue)))
         if buried:     # (else the lease was lost already: whoever holds it now decides)
             log.error("an unreadable message on %s (%s) was dead-lettered to %s in an "
@@ -619,7 +675,11 @@ class Channel(redis.Channel):
 
 
 def _texts(values: Iterable[Any]) -> list[str]:
-    return [v.decode() if isinstance(v, bytes) else v for v in values]
+    return [_text(v) for v in values]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 class ListWaiter:

@@ -40,14 +40,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from queue import Empty
 from typing import Any
 
 from kombu.transport import virtual
 from kombu.utils.json import dumps
 
-from ..protocol import dead_letter_queue
+from ..protocol import Verdict, after_loss, dead_letter_queue
 from . import unreadable
 from .store import BrokerFileError, Store, parse_tag
 from .wake import Notifier
@@ -214,6 +214,23 @@ class Channel(virtual.Channel):
     def forget(self, delivery_tag: str) -> None:
         """Drop a message whose lease ``renew`` reported lost, uncounting our delivery."""
         self.qos.forget(delivery_tag)
+
+    def recover(self, owners: Iterable[str], judge: Callable[[str], Verdict]) -> int:
+        """Put back at once what a worker that is gone held, its leases known by their
+        tokens' prefix (``owners``), each as ``judge(delivery tag)`` says: a start keeps
+        the delivery its take counted; a message only held gets it back, and its headers
+        count the held loss (``protocol.after_loss``). Returns how many."""
+        def rewrite(tag: str, payload: str) -> tuple[str, bool]:
+            verdict = judge(tag)
+            message, _ = unreadable.read(payload, tagged=False)
+            if message is not None:     # (an unreadable one is buried when taken again)
+                message["headers"] = after_loss(message.get("headers"), verdict)
+                payload = dumps(message)
+            return payload, not verdict.started
+        recovered = self.store.recover(owners, rewrite)
+        if recovered:
+            self.connection.wake.notify()
+        return recovered
 
     def _size(self, queue: str) -> int:
         return self.store.size(queue)

@@ -25,7 +25,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +118,9 @@ class Store:
         #: ``_session`` turns it on again: the loop thread's takes, one after another,
         #: set it once, not twice a take (1.4 µs each).
         self._waits: bool | None = None
+        #: Called with the token prefix of each opening, before any lease carries it (the
+        #: worker's journal: its leases are known by it after a death).
+        self.on_open: Callable[[str], None] | None = None
 
     @contextmanager
     def _session(self, *, check: bool = False) -> Iterator[sqlite3.Connection]:
@@ -197,8 +200,10 @@ class Store:
                 break
             conn.close()
         self._waits = True      # a new connection waits (sqlitedb.connect)
-        return _Opened(conn, os.getpid(), after, secrets.token_hex(_PREFIX_LENGTH // 2),
-                       time.monotonic())
+        prefix = secrets.token_hex(_PREFIX_LENGTH // 2)
+        if self.on_open is not None:
+            self.on_open(prefix)
+        return _Opened(conn, os.getpid(), after, prefix, time.monotonic())
 
     def _reopen(self, opened: _Opened, now: tuple[int, int] | None) -> None:
         """The path names another file, or none: leave the old one (closing it: SQLite
@@ -319,6 +324,29 @@ class Store:
                 [(int(uncount), *lease) for lease in leases
                  if not self._gone_with_old_file(lease)])
             return cur.rowcount
+
+    def recover(self, prefixes: Iterable[str],
+                rewrite: Callable[[str, str], tuple[str, bool]]) -> int:
+        """Put back at once, in their old places in line, the messages leased with a token
+        that starts with one of ``prefixes``: those of a worker that is gone (its journal
+        says so). ``rewrite(tag, payload)`` gives each one's payload and whether the
+        delivery its lease counted is taken back. One transaction; returns how many."""
+        prefixes = [p for p in prefixes if len(p) == _PREFIX_LENGTH]
+        if not prefixes:
+            return 0
+        marks = ", ".join("?" * len(prefixes))
+        with self._session() as conn, sqlitedb.immediate(conn):
+            rows = conn.execute(
+                "SELECT id, lease_token, payload FROM messages WHERE lease_token IS NOT NULL "
+                f"AND substr(lease_token, 1, {_PREFIX_LENGTH}) IN ({marks})",
+                prefixes).fetchall()
+            for ident, token, payload in rows:
+                payload, uncount = rewrite(f"{ident}:{token}", payload)
+                conn.execute(
+                    "UPDATE messages SET lease_until = 0, lease_token = NULL, payload = ?, "
+                    "deliveries = MAX(deliveries - ?, 0) WHERE id = ? AND lease_token = ?",
+                    (payload, int(uncount), ident, token))
+        return len(rows)
 
     def forget(self, lease: Lease) -> bool:
         """A lease its live consumer lost (not renewed in time): take back the delivery it
