@@ -8,6 +8,8 @@ second on the same broker, in one run.
     python benchmarks/throughput.py --metrics        # also workhorse with metrics, scraped
     python benchmarks/throughput.py --one-thread     # also workhorse on one thread (see
                                                      # benchmarks/one_thread.py)
+    python benchmarks/throughput.py --against ../base  # also workhorse as another checkout
+                                                       # has it (before/after, one run)
 
 Every worker gets the same pre-filled queue (Celery's protocol; Dramatiq's own for
 Dramatiq), concurrency and prefetch multiplier 4, ack mode (late acks unless
@@ -31,6 +33,7 @@ import argparse
 import contextlib
 import importlib.util
 import os
+import re
 import signal
 import socket
 import statistics
@@ -62,6 +65,8 @@ BROKERS = {
 #: Where --results stores them: the SQLite file beside the SQLite broker, else Redis.
 RESULTS = {BROKERS[name]: "redis://127.0.0.1:6379/4" for name in ("redis", "amqp")}
 TASK_SETS = {"noop": ("bench.noop", []), "sleep": ("bench.sleep", [0.01])}
+#: --against: worker kinds that run another checkout's workhorse (kind -> its directory).
+CHECKOUTS: dict[str, Path] = {}
 
 
 @dataclass
@@ -174,7 +179,8 @@ def measure(kind: str, broker: str, url: str, task_set: str, count: int, concurr
         fill(url, queue, task, args, count, results=results)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("WORKHORSE_", "CELERY_", "DRAMATIQ_"))}
-    env.update(PYTHONPATH=str(ROOT), BENCH_COUNTER=str(counter), BENCH_QUEUE=queue,
+    root = CHECKOUTS.get(kind, ROOT)
+    env.update(PYTHONPATH=str(root), BENCH_COUNTER=str(counter), BENCH_QUEUE=queue,
                WORKHORSE_BROKER_URL=url, WORKHORSE_RESULT_BACKEND="disabled",
                WORKHORSE_STATE_DIR=str(workdir / "state"), WORKHORSE_PREFETCH_MULTIPLIER="4",
                WORKHORSE_ACKS_LATE=str(acks_late).lower(),
@@ -192,7 +198,7 @@ def measure(kind: str, broker: str, url: str, task_set: str, count: int, concurr
     procs = []
     for n in range(workers):
         env["WORKHORSE_HOSTNAME"] = f"bench{n}@{socket.gethostname()}"
-        procs.append(subprocess.Popen(command(kind, queue, concurrency), cwd=ROOT, env=env,
+        procs.append(subprocess.Popen(command(kind, queue, concurrency), cwd=root, env=env,
                                       stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
     mains = [psutil.Process(proc.pid) for proc in procs]
@@ -307,9 +313,15 @@ def main() -> int:
     parser.add_argument("--results", action="store_true",
                         help="store results: in the SQLite file beside the SQLite broker, "
                              "else in Redis (Celery too; Dramatiq stores none)")
+    parser.add_argument("--against", type=Path, action="append", default=[],
+                        help="also run workhorse as the checkout in this directory has it "
+                             "(e.g. a git worktree of an earlier commit): before and after "
+                             "a change, in one run")
     parser.add_argument("--only", choices=("workhorse", "celery", "dramatiq"), action="append",
                         help="run only these (default: all that can run)")
     args = parser.parse_args()
+    for checkout in args.against:
+        CHECKOUTS[f"workhorse@{checkout.resolve().name}"[:18]] = checkout.resolve()
     dramatiq = importlib.util.find_spec("dramatiq") is not None
     brokers = args.broker or ["sqlite", "redis", "amqp"]
     sets = args.sets or ["noop", "sleep"]
@@ -332,12 +344,13 @@ def main() -> int:
             if not celery:
                 print("(Celery is left out on SQLite: its SQLite result store needs "
                       "SQLAlchemy, pip install sqlalchemy)")
-            kinds = ["workhorse"] + (["workhorse+metrics"] if args.metrics else []) + (
+            kinds = ["workhorse", *CHECKOUTS] + (
+                ["workhorse+metrics"] if args.metrics else []) + (
                 ["workhorse+one-thread"] if args.one_thread else []) + (
                 ["celery"] if celery else []) + (
                 ["dramatiq"] if dramatiq and broker != "sqlite" and not args.results else [])
             if args.only:
-                kinds = [k for k in kinds if k.split("+")[0] in args.only]
+                kinds = [k for k in kinds if re.split("[+@]", k)[0] in args.only]
             for task_set in sets:
                 count = args.tasks if task_set == "noop" else max(200, args.tasks // 5)
                 results: dict[str, list[Run]] = {kind: [] for kind in kinds}
