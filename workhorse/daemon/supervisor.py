@@ -35,6 +35,7 @@ from ..control.inspect import TaskInfo, WorkerView
 from ..outcome import Outcome
 from ..pool.ipc import Done
 from ..pool.runtime import ChildRuntime
+from ..sqlitedb import said
 from ..urls import redact
 from . import systemd
 from .delivery import Delivery, Stage
@@ -391,10 +392,12 @@ class Supervisor:
         if self.link.push:
             dropped = len(self.holding.take_waiting()) + len(self.holding.inbox)
             self.holding.inbox.clear()
-        log.error("broker connection lost (%r): %d running tasks go on%s; reconnecting",
-                  exc, self.slots.running,
-                  f", {dropped} buffered or scheduled messages are back with the broker"
-                  if dropped else "")
+        # A broker file's trouble is said once by itself (sqlitedb.troubles), not each loss.
+        (log.debug if said(exc) else log.error)(
+            "broker connection lost (%r): %d running tasks go on%s; reconnecting",
+            exc, self.slots.running,
+            f", {dropped} buffered or scheduled messages are back with the broker"
+            if dropped else "")
 
     def _gave_up(self, exc: BaseException) -> None:
         log.critical("giving up on the broker at %s (%s); stopping with exit status 1",
