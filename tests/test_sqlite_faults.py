@@ -26,6 +26,7 @@ from workhorse.transport import store as store_module
 from workhorse.transport.store import BrokerFileError, Store
 
 from .conftest import IN_CI, BrokerEnv, Worker, make_broker, runs, wait_until, worker_env
+from .test_sqlite_wal import cycle as _cycle
 
 #: A payload that needs pages of its own: it cannot fit in what a capped file has.
 BIG = "x" * 50_000
@@ -351,6 +352,52 @@ def _fill(directory: Path) -> Path:
         except OSError:
             pass
     return filler
+
+
+@pytest.mark.timeout(60)
+def test_a_broker_on_a_disk_full_to_the_last_byte_writes_on_in_the_space_its_files_have(
+        tiny_disk):
+    store = Store(tiny_disk / "broker.sqlite3")
+    for _ in range(300):
+        store.put("q", "x" * 1000)      # a backlog, then drained: pages the file keeps free
+    while taken := store.lease_many(["q"], 60, 64):
+        store.ack_many([(ident, token) for _, ident, token, _, _ in taken])
+    _fill(tiny_disk)
+    _cycle(store, 3000)                 # some 10 MB through the log, which does not grow
+    assert store.size("q") == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_broker_file_that_filled_its_disk_writes_at_once_when_room_for_its_log_returns(
+        tiny_disk, troubles, caplog):
+    """What the log holds past the end of the file needs room in the file before the log
+    can start over: at most the log's checkpoint size, and the next transaction's. No more
+    is needed however long the disk was full, or however much the log held before."""
+    path = tiny_disk / "broker.sqlite3"
+    ballast = tiny_disk / "ballast"
+    ballast.write_bytes(b"\0" * (sqlitedb.WAL_CHECKPOINT_BYTES + 4 * len(BIG)))
+    store = Store(path)
+    with caplog.at_level(logging.INFO, logger="workhorse"):
+        with pytest.raises(BrokerFileError, match="disk is full"):
+            while True:
+                store.put("q", BIG)     # a backlog that fills the disk itself
+        for _ in range(20):             # each retry meets it again
+            with pytest.raises(BrokerFileError, match="disk is full"):
+                store.put("q", BIG)
+        ballast.unlink()
+        # The first write goes through (no reconnect, no retry), and the log needs no more
+        # space for those after it: thousands of messages come and go. (A take rewrites
+        # the rows it leases, payload and all: a few of 50 kB at a time, as a worker's
+        # prefetch window takes them.)
+        while taken := store.lease_many(["q"], 60, 4):
+            store.ack_many([(ident, token) for _, ident, token, _, _ in taken])
+        _cycle(store, 3000)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and said[0].startswith(
+        f"SQLite broker {path}: database or disk is full (SQLITE_FULL); free space on its "
+        "disk (0 bytes free on its file system; its write-ahead log holds")
+    assert f"SQLite broker {path} is written again" in caplog.text
+    assert not troubles.troubled(path)
 
 
 @pytest.mark.timeout(150)
