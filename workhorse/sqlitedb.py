@@ -147,17 +147,27 @@ def autocheckpoint(conn: sqlite3.Connection, on: bool) -> None:
     conn.execute(f"PRAGMA wal_autocheckpoint = {pages if on else 0}")
 
 
-def checkpoint(conn: sqlite3.Connection) -> bool:
-    """Copy the write-ahead log into the file as far as no reader still needs it (PASSIVE:
-    never waits for a reader or writer, nor calls the busy handler), so the next write can
-    start the log over in the space it has. True if all of it was copied; False if some
-    was not, or it failed (the file could not grow on a full disk): a later one goes on."""
+def checkpoint(conn: sqlite3.Connection, path: Path) -> bool:
+    """Copy the write-ahead log of ``path`` (open on ``conn``) into the file and have the
+    next write start the log over in the space it has, never waiting: RESTART with the busy
+    handler off; TRUNCATE (the log cut to nothing) if it grew past WAL_SIZE_LIMIT. With a
+    writer in the file it copies what no reader needs, as PASSIVE does; with a reader in
+    the log at that moment the log is copied but not started over (a later one will).
+    (Commits' own PASSIVE checkpoints copy the log, but it starts over only at a write that
+    begins with all of it copied and no reader in it: while several processes write
+    without pause that is seldom.) True if it was all copied and starts over; False if
+    not, or it failed (the file could not grow on a full disk): a later one goes on."""
     if conn.in_transaction:     # (a checkpoint cannot run inside one)
         return False
+    mode = "TRUNCATE" if wal_size(path) > WAL_SIZE_LIMIT else "RESTART"
+    waits = conn.execute("PRAGMA busy_timeout").fetchone()[0]
+    conn.execute("PRAGMA busy_timeout = 0")
     try:
-        busy, logged, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        busy, logged, copied = conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
     except sqlite3.Error:
         return False
+    finally:
+        conn.execute(f"PRAGMA busy_timeout = {waits}")
     return not busy and logged == copied
 
 

@@ -160,7 +160,7 @@ class SQLiteBackend(Backend):
             sqlitedb.troubles.began(self.path, "SQLite result store", exc)
             if (isinstance(exc, sqlite3.Error) and self._conn is not None
                     and (exc.sqlite_errorcode or 0) & 0xFF == sqlite3.SQLITE_FULL):
-                sqlitedb.checkpoint(self._conn)     # see the module docstring
+                sqlitedb.checkpoint(self._conn, self.path)     # see the module docstring
             error = ResultStoreFileError(self.path, exc)
             error.said = True
             raise error from exc
@@ -310,8 +310,11 @@ class SQLiteBackend(Backend):
     # -- housekeeping
     def purge_expired(self) -> int:
         """Delete expired results, groups, abandoned chords and claims (lapsed, or done and
-        past result_expires); returns how many results."""
-        return self.retrying("purging expired results", self._purge_expired)
+        past result_expires), then checkpoint the write-ahead log (never waiting: it cuts
+        back a log that grew while the file was busy); returns how many results."""
+        removed = self.retrying("purging expired results", self._purge_expired)
+        sqlitedb.checkpoint(self.conn, self.path)
+        return removed
 
     def _purge_expired(self) -> int:
         now = time.time()

@@ -160,7 +160,7 @@ class Store:
         if code in _REOPEN_AFTER:
             self.close()
         elif code == sqlite3.SQLITE_FULL and conn is not None:
-            sqlitedb.checkpoint(conn)
+            sqlitedb.checkpoint(conn, self.path)
         error = BrokerFileError(self.path, exc)
         error.said = True
         return error
@@ -258,7 +258,7 @@ class Store:
         waiting (``sqlitedb.checkpoint``); the broker thread's housekeeping. True if all
         of it was copied."""
         with self._session() as conn:
-            return sqlitedb.checkpoint(conn)
+            return sqlitedb.checkpoint(conn, self.path)
 
     def close(self) -> None:
         with self._lock:
