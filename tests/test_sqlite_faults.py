@@ -422,8 +422,10 @@ def test_a_full_disk_is_ridden_out_and_work_resumes_when_space_returns(
                    or time.monotonic() - started > 6, 10, "six seconds of full disk")
         assert worker.proc.poll() is None, worker.log()[-3000:]
         # The worker's writes go on in the space its files have, or fail; the trouble is
-        # said once a file (the broker, the results in each child), not once a retry.
+        # said once a file (the broker, the results in each child), not once a retry, nor
+        # is every reconnect.
         assert worker.log().count("disk is full") <= 3, worker.log()[-3000:]
+        assert worker.log().count("ready: consuming") == 1, worker.log()[-3000:]
         filler.unlink()
         wait_until(lambda: _succeeded(app, ids) == len(ids), 90, "every task, once space is back")
         after = app.send_task("tests.apps.basic.record")

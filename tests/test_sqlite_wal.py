@@ -154,3 +154,29 @@ def test_an_error_said_already_is_known_through_what_wraps_it():
     except OperationalError as wrapped:
         assert sqlitedb.said(wrapped)
     assert not sqlitedb.said(OperationalError("unrelated"))
+
+
+@pytest.mark.timeout(30)
+def test_the_workers_status_carries_a_broker_files_trouble_while_it_lasts(
+        tmp_path, troubles, monkeypatch):
+    from .test_systemd import NotifySocket
+    from .test_take_here import SqliteLink
+    notify = NotifySocket(tmp_path)
+    monkeypatch.setenv("NOTIFY_SOCKET", notify.address)
+    it = SqliteLink(tmp_path)
+    it.publish(0)
+    it.link.start()
+    it.loop.every(1.0, it.link.say_troubles)       # as the supervisor's timer does
+    try:
+        it.turn_until(lambda: notify.got("STATUS=consuming q"), "consuming, in STATUS")
+        troubles.began(it.path, "SQLite broker", _full())     # as the broker thread meets it
+        full = f"STATUS=consuming q; SQLite broker {it.path}: database or disk is full"
+        it.turn_until(lambda: notify.got(full), "the full disk, in STATUS")
+        troubles.SETTLE = 0.0
+        troubles.written(it.path)
+        notify.received.clear()
+        it.turn_until(lambda: notify.got("STATUS=consuming q"), "the full disk gone from STATUS")
+        assert notify.received[-1] == "STATUS=consuming q"
+    finally:
+        it.link.close(5)
+        notify.close()

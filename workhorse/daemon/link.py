@@ -19,7 +19,8 @@ from kombu.message import Message
 from . import systemd
 from .brokerthread import Ack, BrokerThread, Command, Wakeup, message_label, say_failed
 from .loop import Timer
-from ..sqlitedb import said, troubles
+from .. import sqlitedb
+from ..sqlitedb import said
 from ..urls import redact
 from .consumer import BrokerConsumer
 
@@ -35,9 +36,6 @@ ACK_DELAY = 0.005
 #: so systemd restarts the worker) once it has not turned for this long. Its calls time
 #: out well before that; a broker that is down is retried, which counts as turning.
 STALL_LIMIT = 60.0
-#: How often STATUS= is brought up to date with the SQLite files' troubles (the broker
-#: thread's calls begin and end them; the loop says them).
-TROUBLES_CHECK = 1.0
 
 
 class BrokerLink:
@@ -81,7 +79,6 @@ class BrokerLink:
 
     def start(self) -> None:
         self.thread.start()
-        self.loop.every(TROUBLES_CHECK, self._troubles_changed)
 
     def parked(self) -> AbstractContextManager[bool]:
         """Around fork(): True while the broker thread is parked (see BrokerThread.parked)."""
@@ -373,11 +370,13 @@ class BrokerLink:
         STATUS while it lasts, whatever the connection does meanwhile."""
         if status is not None:
             self._status = status
-        self._troubles_said = troubles.changes
-        systemd.notify("STATUS=" + "; ".join([self._status, *troubles.now()]))
+        self._troubles_said = sqlitedb.troubles.changes
+        systemd.notify("STATUS=" + "; ".join([self._status, *sqlitedb.troubles.now()]))
 
-    def _troubles_changed(self) -> None:
-        if troubles.changes != self._troubles_said:
+    def say_troubles(self) -> None:
+        """Bring STATUS= up to date with the SQLite files' troubles if they changed (the
+        broker thread's calls begin and end them; the supervisor's timer calls this)."""
+        if sqlitedb.troubles.changes != self._troubles_said:
             self._say_status()
 
 
