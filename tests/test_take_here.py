@@ -17,6 +17,7 @@ from kombu import Connection, Producer
 
 import workhorse  # noqa: F401 - registers the sqlite:// transport
 from workhorse import App
+from workhorse.daemon import consumer
 from workhorse.daemon.brokerthread import BrokerThread
 from workhorse.daemon.link import BrokerLink
 from workhorse.daemon.loop import Loop
@@ -164,7 +165,10 @@ class SqliteLink:
 
 
 @pytest.fixture
-def sqlite_link(tmp_path: Path) -> Iterator[SqliteLink]:
+def sqlite_link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SqliteLink]:
+    # These tests take on the loop thread, which it does only while the broker thread is
+    # parked: its checkpoints, every half second, would now and then be under way.
+    monkeypatch.setattr(consumer, "CHECKPOINT_INTERVAL", 3600.0)
     it = SqliteLink(tmp_path)
     it.publish(0)                      # the file and the queue exist before it connects
     it.link.start()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
+from ..sqlitedb import said
 from ..exceptions import ResultEncodeError, TaskRevokedError, TimeoutError
 from ..states import FAILURE, PENDING, READY_STATES, RETRY, REVOKED, STARTED, SUCCESS
 from .encoding import build_meta, describe_exception, dumps, encode_exception, loads
@@ -135,8 +136,10 @@ class Backend(ABC):
                     raise
                 delay = policy.delay(attempt)
                 attempt += 1
-                log.warning("result store: %s failed (%r); retry %d of %d in %.2f s", what, exc,
-                            attempt, policy.max_retries, delay)
+                # A file's trouble said once already (sqlitedb.troubles) is not said again.
+                (log.debug if said(exc) else log.warning)(
+                    "result store: %s failed (%r); retry %d of %d in %.2f s", what, exc,
+                    attempt, policy.max_retries, delay)
                 self.on_connection_error(exc)
                 time.sleep(delay)
 

@@ -8,7 +8,9 @@ invisible at once and deleted by the worker's periodic purge. Waiting polls, sta
 The file's troubles (disk full, read-only, I/O errors, a write lock held too long:
 ``sqlitedb.FAULTS``) are raised as :class:`ResultStoreFileError`, naming the file, and
 retried with the store's back-off; after one that may have come from how the file was
-opened (read-only, unopenable) the next attempt opens it again.
+opened (read-only, unopenable) the next attempt opens it again, and after a full disk the
+write-ahead log is checkpointed, so the next write can start it over in the space it has.
+Each process says a trouble once when it begins and once when it ends (``sqlitedb.troubles``).
 """
 from __future__ import annotations
 
@@ -87,6 +89,9 @@ class ResultStoreFileError(sqlite3.OperationalError):
     """The result store's SQLite file cannot be used now; the message names the file, the
     error and what to do. SQLite's error code is kept (``sqlite_errorcode``)."""
 
+    #: Said in the log already (``sqlitedb.troubles``): callers that report it say it quietly.
+    said = False
+
     def __init__(self, path: Path, cause: sqlite3.Error | OSError) -> None:
         super().__init__(f"SQLite result store {sqlitedb.describe(path, cause)}")
         self.path = path
@@ -144,12 +149,24 @@ class SQLiteBackend(Backend):
         return super().retrying(what, lambda: self._naming_the_file(function))
 
     def _naming_the_file(self, function: Callable[[], T]) -> T:
+        # While the file is in trouble, a write that changes a row ends it.
+        conn = self._conn if sqlitedb.troubles.troubled(self.path) else None
+        changes = conn.total_changes if conn is not None else -1
         try:
-            return function()
+            done = function()
         except (sqlite3.Error, OSError) as exc:
             if isinstance(exc, ResultStoreFileError) or not sqlitedb.is_fault(exc):
                 raise
-            raise ResultStoreFileError(self.path, exc) from exc
+            sqlitedb.troubles.began(self.path, "SQLite result store", exc)
+            if (isinstance(exc, sqlite3.Error) and self._conn is not None
+                    and (exc.sqlite_errorcode or 0) & 0xFF == sqlite3.SQLITE_FULL):
+                sqlitedb.checkpoint(self._conn, self.path)     # see the module docstring
+            error = ResultStoreFileError(self.path, exc)
+            error.said = True
+            raise error from exc
+        if conn is not None and conn is self._conn and conn.total_changes != changes:
+            sqlitedb.troubles.written(self.path)
+        return done
 
     def _expiry(self) -> float | None:
         return time.time() + self.expires if self.expires else None
@@ -293,8 +310,11 @@ class SQLiteBackend(Backend):
     # -- housekeeping
     def purge_expired(self) -> int:
         """Delete expired results, groups, abandoned chords and claims (lapsed, or done and
-        past result_expires); returns how many results."""
-        return self.retrying("purging expired results", self._purge_expired)
+        past result_expires), then checkpoint the write-ahead log (never waiting: it cuts
+        back a log that grew while the file was busy); returns how many results."""
+        removed = self.retrying("purging expired results", self._purge_expired)
+        sqlitedb.checkpoint(self.conn, self.path)
+        return removed
 
     def _purge_expired(self) -> int:
         now = time.time()

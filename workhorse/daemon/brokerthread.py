@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 from kombu.message import Message
 
+from ..sqlitedb import said
 from ..transport.rabbitmq import BrokerBlocked
-from .consumer import BrokerConsumer
+from .consumer import BrokerConsumer, BrokerUnavailable
 from .loop import Loop
 from .reconnect import backoff
 
@@ -203,6 +204,7 @@ class BrokerThread:
         self.gate = threading.Lock()
         self._stopping = False
         self._attempts = 0          # failed connects since the last success
+        self._lost_to: BaseException = BrokerUnavailable()     # what the last loss was
         self._first = True
         #: Commands waiting for RabbitMQ to unblock publishing (0: not blocked).
         self._blocked = 0
@@ -398,8 +400,9 @@ class BrokerThread:
                 self._stopping = True
                 return
             delay = backoff(self._attempts) or backoff(1)
-            log.error("broker %s: %s; next try in %.1f s", consumer.where(),
-                      consumer.describe_failure(exc), delay)
+            (log.debug if said(exc) else log.error)(
+                "broker %s: %s; next try in %.1f s", consumer.where(),
+                consumer.describe_failure(exc), delay)
             self.post(lambda: self.on_connected(consumer, False))
             self.loop.call_later(delay, self._connect)
             return
@@ -408,8 +411,8 @@ class BrokerThread:
         self.loop.call_later(60.0, lambda: self._lasted(connected_at))
         self._start_housekeeping()
         self.post(lambda: self.on_connected(consumer, True))
-        if not first:
-            log.info("broker connection restored")
+        if not first:       # (quietly after a loss that was said quietly)
+            (log.debug if said(self._lost_to) else log.info)("broker connection restored")
 
     def _lasted(self, connected_at: float) -> None:
         """A connection that lasted a while starts the back-off over."""
@@ -454,6 +457,7 @@ class BrokerThread:
         return counted
 
     def _lost(self, exc: BaseException) -> None:
+        self._lost_to = exc
         self.post(lambda: self.on_lost(exc))
         self._attempts = max(self._attempts, 1) if self._recently_connected() else 0
         self.loop.call_later(backoff(self._attempts), self._connect)
@@ -484,8 +488,9 @@ def message_label(message: Message) -> str:
 
 def say_failed(consumer: BrokerConsumer, exc: Exception, what: str) -> None:
     if consumer.is_connection_error(exc):
-        log.warning("%s: the broker connection is gone (%r); the broker will deliver it "
-                    "again", what or "a broker call", exc)
+        (log.debug if said(exc) else log.warning)(
+            "%s: the broker connection is gone (%r); the broker will deliver it again",
+            what or "a broker call", exc)
     else:
         log.error("%s failed: %r", what or "a broker call", exc, exc_info=exc)
 

@@ -61,6 +61,10 @@ SAFETY_POLL = 1.0
 AMQP_HEARTBEAT = 30.0
 #: Redis: how often to put back messages whose lease expired (their consumer died).
 RESTORE_SWEEP_INTERVAL = 2.0
+#: SQLite: how often the broker thread checkpoints the broker file's write-ahead log. The
+#: loop thread's takes leave it to this thread (a checkpoint waits on the disk), so this
+#: bounds how far the log grows past its checkpoint size between two of them.
+CHECKPOINT_INTERVAL = 0.5
 
 OnMessage = Callable[[str, Message], None]
 OnLost = Callable[[BaseException], None]
@@ -918,6 +922,9 @@ class _SqliteDriver(_TakingDriver, _PolledDriver):
 
     def fds(self) -> set[int]:
         return {self.listener.fileno()} if self.listener is not None else set()
+
+    def periodic(self) -> list[tuple[float, Callable[[], None]]]:
+        return [(CHECKPOINT_INTERVAL, self.connection.transport.store.checkpoint)]
 
     def on_readable(self, fd: int) -> None:
         if self.listener is not None:

@@ -19,6 +19,8 @@ from kombu.message import Message
 from . import systemd
 from .brokerthread import Ack, BrokerThread, Command, Wakeup, message_label, say_failed
 from .loop import Timer
+from .. import sqlitedb
+from ..sqlitedb import said
 from ..urls import redact
 from .consumer import BrokerConsumer
 from .journal import Journal
@@ -67,6 +69,8 @@ class BrokerLink:
         self._room_grew = False
         self._room_said: tuple[int, int] | None = None
         self._fetches = 0       # FETCH commands submitted (see set_room)
+        self._status = f"connecting to the broker at {self.where}"     # (see _say_status)
+        self._troubles_said = 0
         #: SQLite: a take, or acks, to carry out before the loop waits (_before_wait).
         self._want_fetch = self._want_acks = False
         loop.before_wait(self._before_wait)
@@ -351,19 +355,35 @@ class BrokerLink:
     def _connected(self, consumer: BrokerConsumer, ok: bool) -> None:
         """Reported by the broker thread after each attempt to connect."""
         if not ok:
-            systemd.notify(f"STATUS=waiting for the broker at {self.where}")
+            self._say_status(f"waiting for the broker at {self.where}")
             return
         self.connected, self.push, self.leased = True, consumer.push, consumer.leased
         self.takes_here = consumer.takes_at_once
         self._credit = -1
-        queues = ", ".join(self.queues)
-        systemd.notify(f"STATUS=consuming {queues}")
+        self._say_status(f"consuming {', '.join(self.queues)}")
         self.on_connected_cb()
 
     def _lost(self, exc: BaseException) -> None:
         self.connected = self.takes_here = False
-        systemd.notify(f"STATUS=broker connection lost ({exc!r}); reconnecting")
+        # A file's trouble said already is in STATUS by itself (_say_status).
+        self._say_status("broker connection lost; reconnecting" if said(exc) else
+                         f"broker connection lost ({exc!r}); reconnecting")
         self.on_lost_cb(exc)
+
+    def _say_status(self, status: str | None = None) -> None:
+        """systemd's STATUS=: ``status`` (else the last one said), then the troubles of this
+        process's SQLite files going on now (``sqlitedb.troubles``): a full disk stays in
+        STATUS while it lasts, whatever the connection does meanwhile."""
+        if status is not None:
+            self._status = status
+        self._troubles_said = sqlitedb.troubles.changes
+        systemd.notify("STATUS=" + "; ".join([self._status, *sqlitedb.troubles.now()]))
+
+    def say_troubles(self) -> None:
+        """Bring STATUS= up to date with the SQLite files' troubles if they changed (the
+        broker thread's calls begin and end them; the supervisor's timer calls this)."""
+        if sqlitedb.troubles.changes != self._troubles_said:
+            self._say_status()
 
 
 def _nothing() -> None:

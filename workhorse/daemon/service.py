@@ -14,6 +14,7 @@ import logging
 import threading
 from collections.abc import Iterator
 
+from ..sqlitedb import said
 from .brokerthread import Wakeup, divert_logging, parked
 from .loop import Loop
 
@@ -76,8 +77,9 @@ class ServiceThread:
                 try:
                     self.serve()
                 except Exception as exc:  # noqa: BLE001 - logged; tried again
-                    self.log.warning("%s: %s; connecting again in %.0f s", self.name,
-                                     describe(exc), RECONNECT_INTERVAL)
+                    (self.log.debug if said(exc) else self.log.warning)(
+                        "%s: %s; connecting again in %.0f s", self.name, describe(exc),
+                        RECONNECT_INTERVAL)
                 self.gate.release()
                 self._stopping.wait(RECONNECT_INTERVAL)
                 self.gate.acquire()

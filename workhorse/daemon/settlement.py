@@ -25,6 +25,7 @@ from ..exceptions import (
 )
 from ..outcome import Action, Decision, Outcome, Store, decide
 from ..protocol import read_message
+from ..sqlitedb import said
 from ..states import FAILURE, REVOKED
 from .current import Current
 from .delivery import Delivery
@@ -88,9 +89,10 @@ class Settlement:
             if (policy.always_retry and attempt < policy.max_retries
                     and backend.exception_safe_to_retry(exc)):
                 delay = policy.delay(attempt)
-                log.warning("%s: result store: storing its %s result failed (%r); retry %d "
-                            "of %d in %.2f s, the message held until then", delivery.label,
-                            decision.store.value, exc, attempt + 1, policy.max_retries, delay)
+                (log.debug if said(exc) else log.warning)(
+                    "%s: result store: storing its %s result failed (%r); retry %d of %d in "
+                    "%.2f s, the message held until then", delivery.label,
+                    decision.store.value, exc, attempt + 1, policy.max_retries, delay)
                 backend.on_connection_error(exc)
                 self.holding.store(delivery)
                 delivery.settlement = (outcome, decision, detail)
@@ -138,8 +140,9 @@ class Settlement:
 
     def _broker_failed(self, label: str, what: str, exc: Exception) -> None:
         if self.broker.is_connection_error(exc):
-            log.warning("%s: could not %s the message, its broker connection is gone (%r); "
-                        "the broker will deliver it again", label, what, exc)
+            (log.debug if said(exc) else log.warning)(
+                "%s: could not %s the message, its broker connection is gone (%r); the "
+                "broker will deliver it again", label, what, exc)
         else:
             log.error("%s: could not %s the message; the broker will deliver it again",
                       label, what, exc_info=exc)

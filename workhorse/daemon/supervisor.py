@@ -36,6 +36,7 @@ from ..outcome import Outcome
 from ..pool.ipc import Done
 from ..pool.runtime import ChildRuntime
 from ..protocol import HELD_LOSSES_HEADER
+from ..sqlitedb import said
 from ..urls import redact
 from . import systemd
 from .delivery import Delivery, Stage
@@ -76,6 +77,8 @@ HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD
 RESULT_PURGE_INTERVAL = 300.0
 #: While stopping: how often STATUS= and EXTEND_TIMEOUT_USEC= go to systemd.
 STOP_STATUS_INTERVAL = 5.0
+#: How often STATUS= is brought up to date with the SQLite files' troubles.
+TROUBLES_CHECK = 1.0
 #: How often the loop's lag is measured (metrics).
 LAG_INTERVAL = 1.0
 #: How often idle children's memory is compared with max_memory_per_child.
@@ -151,6 +154,10 @@ class Supervisor:
         #: "ready" is said once per broker connection, when it is consuming (connected,
         #: and the revokes known: remote control answers by then).
         self._ready_said = False
+        #: Was the last lost connection a file's trouble said already (sqlitedb.troubles)?
+        #: Then being ready again is said quietly too: a full disk is one line, not a pair
+        #: of them per reconnect.
+        self._lost_quietly = False
         #: Prometheus metrics, when served.
         self.metrics: Metrics | None = None
         self.metrics_server: MetricsServer | None = None
@@ -374,6 +381,7 @@ class Supervisor:
         if s.max_memory_per_child:
             self._every(IDLE_MEMORY_CHECK, self.slots.check_idle_memory)
         self._every(self.leases.interval, self.leases.renew)
+        self._every(TROUBLES_CHECK, self.link.say_troubles)
         self._every(min(60.0, s.rabbitmq_consumer_timeout / 8), self._refresh_scheduled)
         if hasattr(self.app.backend, "purge_expired"):
             self._every(RESULT_PURGE_INTERVAL, self._purge_results)
@@ -425,7 +433,8 @@ class Supervisor:
     def _say_ready(self) -> None:
         if self.link.connected and self._revokes_known and not self._ready_said:
             self._ready_said = True
-            log.info("ready: consuming %s", ", ".join(self.link.queues))
+            (log.debug if self._lost_quietly else log.info)(
+                "ready: consuming %s", ", ".join(self.link.queues))
 
     def _broker_lost(self, exc: BaseException) -> None:
         """Running tasks go on; what is only buffered or scheduled is the broker's again if
@@ -441,10 +450,13 @@ class Supervisor:
                     if key is not None)
             dropped = len(waiting) + len(self.holding.inbox)
             self.holding.inbox.clear()
-        log.error("broker connection lost (%r): %d running tasks go on%s; reconnecting",
-                  exc, self.slots.running,
-                  f", {dropped} buffered or scheduled messages are back with the broker"
-                  if dropped else "")
+        # A broker file's trouble is said once by itself (sqlitedb.troubles), not each loss.
+        self._lost_quietly = said(exc)
+        (log.debug if self._lost_quietly else log.error)(
+            "broker connection lost (%r): %d running tasks go on%s; reconnecting",
+            exc, self.slots.running,
+            f", {dropped} buffered or scheduled messages are back with the broker"
+            if dropped else "")
 
     def _gave_up(self, exc: BaseException) -> None:
         log.critical("giving up on the broker at %s (%s); stopping with exit status 1",

@@ -11,7 +11,11 @@ hand-back by a live consumer (``release(uncount=True)``, ``forget``) takes it ba
 
 Broker faults: SQLite's errors that are the file's trouble (disk full, read-only, I/O
 error, locked too long; ``sqlitedb.FAULTS``) are raised as :class:`BrokerFileError`, which
-names the file and says what to do; the transport counts it as a lost connection. A file
+names the file and says what to do; the transport counts it as a lost connection. It is
+said in the log once when it begins and once when writes go through again
+(``sqlitedb.troubles``). A write that failed for want of space is followed by a
+checkpoint, so the next can start the write-ahead log over in the space it has
+(``sqlitedb``); the broker thread checkpoints it too, every half second. A file
 deleted or replaced under the same path is noticed (its inode, looked at before every
 ``put`` and at most once a second otherwise) and the new one opened: messages leased from
 the old file are gone with it, so their leases read as held (they run here, once) and
@@ -88,6 +92,9 @@ class BrokerFileError(ConnectionError):
     with back-off, a producer retries a few times and then raises it (as kombu's
     ``OperationalError``, with this message)."""
 
+    #: Said in the log already (``sqlitedb.troubles``): callers that report it say it quietly.
+    said = False
+
     def __init__(self, path: Path, cause: BaseException) -> None:
         super().__init__(f"SQLite broker {sqlitedb.describe(path, cause)}")
         self.path = path
@@ -113,10 +120,10 @@ class Store:
         #: Token prefixes of openings whose file was deleted or replaced.
         self._gone: set[str] = set()
         self._lock = threading.RLock()
-        #: Does the connection wait for a write lock held elsewhere (busy_timeout)? False
-        #: after a call that must not wait (``_at_once``) turned that off, until a
-        #: ``_session`` turns it on again: the loop thread's takes, one after another,
-        #: set it once, not twice a take (1.4 µs each).
+        #: Does the connection wait for a write lock held elsewhere (busy_timeout), and do
+        #: its commits checkpoint the write-ahead log? Neither after a call that must not
+        #: wait (``_at_once``) turned them off, until a ``_session`` turns them on again:
+        #: the loop thread's takes, one after another, set them once, not each take.
         self._waits: bool | None = None
         #: Called with the token prefix of each opening, before any lease carries it (the
         #: worker's journal: its leases are known by it after a death).
@@ -127,19 +134,39 @@ class Store:
         """The connection, under the lock; the file's troubles raised as BrokerFileError.
         ``check``: look at which file the path names now, whenever it was looked at last."""
         with self._lock:
+            conn = None
             try:
                 conn = self._connection(check)
                 if self._waits is False:    # after a call that must not wait
                     conn.execute(f"PRAGMA busy_timeout = {int(sqlitedb.BUSY_TIMEOUT * 1000)}")
+                    sqlitedb.autocheckpoint(conn, True)
                     self._waits = True
+                # While the file is in trouble, a write that changes a row ends it.
+                changes = conn.total_changes if sqlitedb.troubles.troubled(self.path) else -1
                 yield conn
+                if changes >= 0 and conn.total_changes != changes:
+                    sqlitedb.troubles.written(self.path)
             except (sqlite3.Error, OSError) as exc:
                 if isinstance(exc, BrokerFileError) or not sqlitedb.is_fault(exc):
                     raise
-                if (isinstance(exc, sqlite3.Error)
-                        and (exc.sqlite_errorcode or 0) & 0xFF in _REOPEN_AFTER):
-                    self.close()
-                raise BrokerFileError(self.path, exc) from exc
+                raise self._trouble(exc, conn) from exc
+
+    def _trouble(self, exc: sqlite3.Error | OSError,
+                 conn: sqlite3.Connection | None) -> BrokerFileError:
+        """The file's trouble ``exc``, said once, as the error to raise. A connection that
+        may have been opened wrong is opened again; after a write failed for want of space,
+        the log is checkpointed so that the next write can start it over in the space it
+        has, instead of needing more (nothing else would: SQLite checkpoints after a
+        commit)."""
+        sqlitedb.troubles.began(self.path, "SQLite broker", exc)
+        code = (exc.sqlite_errorcode or 0) & 0xFF if isinstance(exc, sqlite3.Error) else None
+        if code in _REOPEN_AFTER:
+            self.close()
+        elif code == sqlite3.SQLITE_FULL and conn is not None:
+            sqlitedb.checkpoint(conn, self.path)
+        error = BrokerFileError(self.path, exc)
+        error.said = True
+        return error
 
     @contextmanager
     def _at_once(self) -> Iterator[sqlite3.Connection]:
@@ -163,11 +190,16 @@ class Store:
                 conn = opened.conn
                 if self._waits is not False:    # (set back by the next _session)
                     conn.execute("PRAGMA busy_timeout = 0")
+                    # A checkpoint waits on the disk (fsync): the broker thread's are enough.
+                    sqlitedb.autocheckpoint(conn, False)
                     self._waits = False
             except (sqlite3.Error, OSError) as exc:
                 raise StoreBusy(f"SQLite broker {sqlitedb.describe(self.path, exc)}") from exc
+            changes = conn.total_changes if sqlitedb.troubles.troubled(self.path) else -1
             try:
                 yield conn
+                if changes >= 0 and conn.total_changes != changes:
+                    sqlitedb.troubles.written(self.path)
             except (sqlite3.Error, OSError) as exc:
                 raise StoreBusy(f"SQLite broker {sqlitedb.describe(self.path, exc)}") from exc
         finally:
@@ -225,6 +257,13 @@ class Store:
         BrokerFileError if it cannot be opened."""
         with self._session(check=True):
             pass
+
+    def checkpoint(self) -> bool:
+        """Copy the write-ahead log into the file as far as no reader needs it, never
+        waiting (``sqlitedb.checkpoint``); the broker thread's housekeeping. True if all
+        of it was copied."""
+        with self._session() as conn:
+            return sqlitedb.checkpoint(conn, self.path)
 
     def close(self) -> None:
         with self._lock:
