@@ -281,6 +281,9 @@ class FakeLink(FakeBroker):
     def use_journal(self, journal: Any) -> None:
         self.journal = journal
 
+    def say_troubles(self) -> None:
+        pass
+
     def close(self, timeout: float) -> None:
         self.connected = False
 
