@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from workhorse.daemon import link
+from workhorse.broker import link
 from workhorse.daemon.cli import main
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from workhorse.daemon.consumer import _AmqpDriver
+from workhorse.broker.consumer import _AmqpDriver
 from workhorse.transport.rabbitmq import Connection, ReadAheadTransport
 
 from .conftest import wait_until
@@ -131,7 +131,7 @@ def test_deliveries_read_ahead_are_handed_over_by_the_tick(broker, client):
     sit read ahead, where select() cannot see them: the tick, before every wait of the
     broker thread, delivers them."""
     from tests.apps import basic
-    from workhorse.daemon.consumer import BrokerConsumer
+    from workhorse.broker.consumer import BrokerConsumer
     received: list = []
     consumer = BrokerConsumer(client, [broker.queue], lambda q, m: received.append(m),
                               lambda exc: None)

@@ -196,7 +196,7 @@ def test_giving_up_on_the_broker_exits_1_with_one_line_and_no_traceback(setting,
 
 
 def test_the_watchdog_is_withheld_only_from_a_broker_thread_that_hangs():
-    from workhorse.daemon.link import STALL_LIMIT, BrokerLink
+    from workhorse.broker.link import STALL_LIMIT, BrokerLink
     link = BrokerLink.__new__(BrokerLink)
     link.thread = types.SimpleNamespace(is_alive=lambda: True, progress=time.monotonic())
     assert link.healthy()
@@ -208,7 +208,7 @@ def test_the_watchdog_is_withheld_only_from_a_broker_thread_that_hangs():
 
 def test_a_publish_refused_while_rabbitmq_blocks_publishing_waits_and_is_retried(caplog):
     from tests.fakes import FakeClock, FakeLoop
-    from workhorse.daemon.brokerthread import BLOCKED_RETRY, BrokerThread
+    from workhorse.broker.thread import BLOCKED_RETRY, BrokerThread
     from workhorse.transport.rabbitmq import BrokerBlocked
     caplog.set_level("INFO", logger="workhorse.broker")
     clock = FakeClock()

@@ -133,7 +133,7 @@ def test_a_continuation_that_cannot_be_sent_requeues_its_step_then_dead_letters_
     not run it again, and past max_deliveries it is dead-lettered, saying why."""
     from tests.apps.basic import mul, record
     from tests.test_delivery import dead_letters, starts
-    from workhorse.daemon.consumer import DEAD_REASON_HEADER
+    from workhorse.broker.consumer import DEAD_REASON_HEADER
     start_worker(broker)
     result = record.apply_async(link=mul.s(2).set(priority=999))
     assert result.get(timeout=30) == result.id

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workhorse.daemon.counting import RabbitMQ, earlier_deliveries, parse_version
+from workhorse.broker.counting import RabbitMQ, earlier_deliveries, parse_version
 from workhorse.protocol import DELIVERIES_HEADER
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from kombu import Producer
 
-from workhorse.daemon.consumer import (
+from workhorse.broker.consumer import (
     DEAD_AT_HEADER,
     DEAD_QUEUE_HEADER,
     DEAD_REASON_HEADER,

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from workhorse.daemon.consumer import DEAD_REASON_HEADER, DEAD_TASK_HEADER
+from workhorse.broker.consumer import DEAD_REASON_HEADER, DEAD_TASK_HEADER
 from workhorse.exceptions import (
     SoftTimeLimitExceeded,
     TimeLimitExceeded,

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from workhorse.daemon.consumer import DEAD_REASON_HEADER, DEAD_TASK_HEADER
+from workhorse.broker.consumer import DEAD_REASON_HEADER, DEAD_TASK_HEADER
 from workhorse.exceptions import TooManyDeliveries
 from workhorse.protocol import DELIVERIES_HEADER
 
@@ -80,7 +80,7 @@ def test_a_rabbitmq_redelivery_is_replaced_by_a_copy_carrying_the_loss_never_dup
     so handing it back through the new connection would duplicate it. It comes back marked
     redelivered and is replaced by a copy carrying the loss, which is what runs."""
     from tests.apps.basic import record
-    from workhorse.daemon.consumer import BrokerConsumer, BrokerUnavailable
+    from workhorse.broker.consumer import BrokerConsumer, BrokerUnavailable
     received: list = []
     consumer = BrokerConsumer(client, [broker.queue], lambda q, m: received.append(m),
                               lambda exc: None)

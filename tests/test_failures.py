@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from workhorse import MaxRetriesExceededError, chain
-from workhorse.daemon.consumer import DEAD_REASON_HEADER
+from workhorse.broker.consumer import DEAD_REASON_HEADER
 from workhorse.states import FAILURE, PENDING, RETRY, SUCCESS
 
 from .conftest import wait_until

@@ -207,7 +207,7 @@ def test_a_wakeup_writes_once_per_batch_and_never_loses_one(monkeypatch):
     import select
     import threading
 
-    from workhorse.daemon import brokerthread
+    from workhorse.broker import thread as brokerthread
     wakeup = brokerthread.Wakeup()
     for _ in range(3):
         wakeup.put(lambda: None)
@@ -257,7 +257,7 @@ def test_a_turns_acks_and_fetches_go_together_after_its_other_commands_in_order(
     last, with the acks still waiting (one round trip on Redis), and counts them."""
     from types import SimpleNamespace
 
-    from workhorse.daemon import brokerthread
+    from workhorse.broker import thread as brokerthread
     calls: list[tuple] = []
     thread = brokerthread.BrokerThread.__new__(brokerthread.BrokerThread)
     thread.commands = brokerthread.Wakeup()
@@ -309,7 +309,7 @@ def test_a_new_connections_socket_that_reuses_an_old_number_is_watched():
     sockets are registered afresh."""
     import socket
 
-    from workhorse.daemon import brokerthread
+    from workhorse.broker import thread as brokerthread
     from workhorse.daemon.loop import Loop
     thread = brokerthread.BrokerThread.__new__(brokerthread.BrokerThread)
     thread.loop = Loop()
@@ -338,7 +338,7 @@ def test_a_new_connections_socket_that_reuses_an_old_number_is_watched():
 def test_a_message_the_loop_never_gets_gives_its_place_in_the_window_back():
     """RabbitMQ's redelivery after a loss is replaced by a counted copy, not handed to the
     loop: the place it took is free again (each one used to shrink the room for good)."""
-    from workhorse.daemon import brokerthread
+    from workhorse.broker import thread as brokerthread
     thread = brokerthread.BrokerThread.__new__(brokerthread.BrokerThread)
     thread.room = brokerthread.Room()
     thread.room.update(8, 0)
@@ -361,7 +361,7 @@ def test_a_turns_acks_are_sent_even_when_its_fetch_finds_no_room():
     carrying it out: the acks still go (with a take of nothing). The consumer is told to
     take again only when there was room for more than one take and it was full; a take
     that found less than it asked for marks the queues dry (Redis then arms its waits)."""
-    from workhorse.daemon.consumer import _TakingDriver
+    from workhorse.broker.consumer import _TakingDriver
     calls: list[tuple[int, list[str]]] = []
     room = [0]
     queued = [1000]
@@ -388,7 +388,7 @@ def test_redis_waits_are_armed_only_once_a_take_found_the_lists_empty(monkeypatc
     """Until a take finds the lists empty, the loop's fetches take (several at a time);
     a take or a wait armed on every turn with room took one or two messages a round
     trip. Once a take finds less than it asked for, the waits are armed."""
-    from workhorse.daemon import consumer as consumer_module
+    from workhorse.broker import consumer as consumer_module
     armed: list[str] = []
 
     class Waiter:
@@ -429,7 +429,7 @@ def test_redis_waits_are_armed_only_once_a_take_found_the_lists_empty(monkeypatc
 def test_what_the_tick_delivers_is_handed_over_before_the_broker_thread_waits():
     """RabbitMQ's tick delivers frames read ahead (select() cannot see them); handed over
     only after the wait, they waited up to a second for nothing."""
-    from workhorse.daemon import brokerthread
+    from workhorse.broker import thread as brokerthread
     from workhorse.daemon.loop import Loop
     thread = brokerthread.BrokerThread.__new__(brokerthread.BrokerThread)
     thread.loop = Loop()

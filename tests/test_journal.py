@@ -1,4 +1,4 @@
-"""The worker's journal (``daemon.journal``): what it records, what a reader makes of a dead
+"""The worker's journal (``broker.journal``): what it records, what a reader makes of a dead
 worker's journal, and that it never says "held" of a message that may have started: a
 journal it cannot write is emptied (every loss then counts as a delivery), a line cut
 short is ignored, a journal from an earlier boot is not trusted."""
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from workhorse.daemon import journal as journal_module
-from workhorse.daemon.journal import Journal, dead_journals, parse
+from workhorse.broker import journal as journal_module
+from workhorse.broker.journal import Journal, dead_journals, parse
 from workhorse.protocol import (
     HELD_LOSSES_HEADER,
     SUSPECT_HEADER,

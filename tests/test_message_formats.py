@@ -9,7 +9,7 @@ import uuid
 import pytest
 from kombu import Producer
 
-from workhorse.daemon.consumer import DEAD_REASON_HEADER, DEAD_TASK_HEADER
+from workhorse.broker.consumer import DEAD_REASON_HEADER, DEAD_TASK_HEADER
 from workhorse.exceptions import MalformedMessage
 from workhorse.protocol import build_message
 from workhorse.queues import task_queue

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from kombu import Exchange, Producer, Queue
 
-from workhorse.daemon.consumer import DEAD_REASON_HEADER, DEAD_TASK_HEADER
-from workhorse.daemon.counting import RabbitMQ, earlier_deliveries, parse_version
+from workhorse.broker.consumer import DEAD_REASON_HEADER, DEAD_TASK_HEADER
+from workhorse.broker.counting import RabbitMQ, earlier_deliveries, parse_version
 from workhorse.exceptions import NotRegistered
 from workhorse.queues import parse_refusal, rabbitmq_dead_letter_target
 

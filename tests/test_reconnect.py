@@ -103,7 +103,7 @@ def test_closed_rabbitmq_connections_are_reconnected_and_nothing_runs_twice(
 @pytest.fixture
 def consumer_on_private_redis(tmp_path, private_redis, monkeypatch):
     """A BrokerConsumer of the test app on the test's own Redis, and what it received."""
-    from workhorse.daemon.consumer import BrokerConsumer
+    from workhorse.broker.consumer import BrokerConsumer
     monkeypatch.setenv("WORKHORSE_BROKER_URL", private_redis.url())
     monkeypatch.setenv("WORKHORSE_STATE_DIR", str(tmp_path / "state"))
     from tests.apps import basic

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from workhorse.daemon.consumer import BrokerConsumer
-from workhorse.daemon.journal import Journal, directory_for
+from workhorse.broker.consumer import BrokerConsumer
+from workhorse.broker.journal import Journal, directory_for
 from workhorse.protocol import DELIVERIES_HEADER, SUSPECT_HEADER, carried_held_losses
 
 from .conftest import wait_until

@@ -168,7 +168,7 @@ def test_children_are_forked_only_while_the_control_thread_is_parked():
     True while it waits for commands or is not running."""
     import threading
 
-    from workhorse.daemon.brokerthread import parked
+    from workhorse.broker.thread import parked
     gate = threading.Lock()
     holding, release = threading.Event(), threading.Event()
 

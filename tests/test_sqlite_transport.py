@@ -391,7 +391,7 @@ def test_a_worker_on_the_sqlite_broker_is_woken_by_a_publish_not_by_polling(url,
     import select
 
     from workhorse import App
-    from workhorse.daemon.consumer import SAFETY_POLL, BrokerConsumer
+    from workhorse.broker.consumer import SAFETY_POLL, BrokerConsumer
     app = App("t", broker_url=url, result_backend="disabled")
     received: list = []
     consumer = BrokerConsumer(app, ["wq"], lambda q, m: received.append(m), lambda e: None)
@@ -415,7 +415,7 @@ def test_a_worker_on_the_sqlite_broker_is_woken_by_a_publish_not_by_polling(url,
 def test_without_wakeups_the_sqlite_consumer_polls_every_50_ms_and_says_so(
         url, monkeypatch, caplog):
     from workhorse import App
-    from workhorse.daemon import consumer as consumer_module
+    from workhorse.broker import consumer as consumer_module
 
     def refuse(path):
         raise PermissionError(13, "read-only directory")

@@ -23,7 +23,7 @@ from workhorse.daemon.delivery import Stage
 from workhorse.daemon.holding import Holding
 from workhorse.daemon.intake import Intake
 from workhorse.daemon.leases import Leases
-from workhorse.daemon.reconnect import RECONNECT_BACKOFF_MAX, Reconnect, backoff
+from workhorse.broker.backoff import RECONNECT_BACKOFF_MAX, backoff
 from workhorse.daemon.settlement import Settlement
 from workhorse.daemon.slots import CRASH_BACKOFF_MAX, Recycling, crash_delay
 from workhorse.outcome import Outcome
@@ -324,26 +324,6 @@ def test_reconnect_backs_off_doubling_to_a_cap():
     assert backoff(50) == RECONNECT_BACKOFF_MAX
 
 
-def test_reconnect_retries_from_timers_until_the_broker_answers():
-    clock = FakeClock()
-    loop = FakeLoop(clock)
-    attempts, restored = [], []
-
-    def connect() -> None:
-        attempts.append(clock())
-        if len(attempts) < 3:
-            raise ConnectionError("refused")
-    reconnect = Reconnect(loop, clock, connect, lambda: not restored,
-                          lambda: restored.append(clock()))
-    reconnect.connected()
-    clock.t += 100
-    reconnect.lost()
-    for _ in range(10):
-        clock.advance(loop, 0.25)
-    assert [round(t - attempts[0], 2) for t in attempts] == [0.0, 0.5, 1.5]
-    assert len(restored) == 1
-
-
 # ---------------------------------------------------------------------- slots
 JOB = Job(1, "t.add", b"[]", "application/json", "utf-8", {}, {}, False)
 
@@ -562,8 +542,8 @@ def _link(window: int):
     """A BrokerLink whose broker thread is never started: what it is handed is read off
     its command queue."""
     from workhorse import App
-    from workhorse.daemon.brokerthread import Ack
-    from workhorse.daemon.link import BrokerLink
+    from workhorse.broker.thread import Ack
+    from workhorse.broker.link import BrokerLink
     from workhorse.daemon.loop import Loop
     clock = FakeClock()
     loop = Loop(clock)
@@ -579,7 +559,7 @@ def _link(window: int):
 
 
 def test_late_acks_travel_together_and_never_wait_past_the_delay():
-    from workhorse.daemon.link import ACK_DELAY
+    from workhorse.broker.link import ACK_DELAY
     link, loop, clock, handed = _link(window=8)
     message = SimpleNamespace(headers={"task": "t", "id": "1"})
     link.ack(message)

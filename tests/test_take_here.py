@@ -17,9 +17,9 @@ from kombu import Connection, Producer
 
 import workhorse  # noqa: F401 - registers the sqlite:// transport
 from workhorse import App
-from workhorse.daemon import consumer
-from workhorse.daemon.brokerthread import BrokerThread
-from workhorse.daemon.link import BrokerLink
+from workhorse.broker import consumer
+from workhorse.broker.thread import BrokerThread
+from workhorse.broker.link import BrokerLink
 from workhorse.daemon.loop import Loop
 from workhorse.protocol import build_message, dead_letter_queue
 from workhorse.queues import ensure_queue

@@ -13,7 +13,7 @@ from kombu import Producer
 
 from workhorse import TimeoutError as ResultTimeout
 from workhorse.queues import task_queue
-from workhorse.daemon.consumer import (
+from workhorse.broker.consumer import (
     DEAD_AT_HEADER,
     DEAD_QUEUE_HEADER,
     DEAD_REASON_HEADER,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from workhorse.daemon.consumer import DEAD_REASON_HEADER, DEAD_TASK_HEADER
+from workhorse.broker.consumer import DEAD_REASON_HEADER, DEAD_TASK_HEADER
 from workhorse.exceptions import TooManyDeliveries
 
 from .conftest import BrokerEnv, Worker, runs, wait_until

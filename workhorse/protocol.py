@@ -261,7 +261,7 @@ def is_suspect(headers: Mapping[str, Any] | None) -> bool:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a worker's death costs one message it held (its journal says, ``daemon.journal``).
+    """What a worker's death costs one message it held (its journal says, ``broker.journal``).
 
     ``started``: it may have started and ended in a loss: a delivery, as its take counted.
     It is then a suspect: it runs alone from now on, so that another death names it and

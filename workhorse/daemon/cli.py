@@ -28,7 +28,7 @@ from ..control.inspect import COMMANDS
 from ..exceptions import AppImportError
 from ..protocol import dead_letter_queue
 from .appload import AppModules
-from .deadletters import Done, list_dead, purge_dead, requeue_dead
+from ..broker.deadletters import Done, list_dead, purge_dead, requeue_dead
 from .exitcodes import ExitCode
 from .hostfiles import (
     HEALTH_MAX_AGE,

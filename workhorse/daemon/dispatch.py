@@ -23,7 +23,7 @@ from .delivery import Delivery, Stage
 from .events import TaskEvents
 from .holding import Holding
 from .intake import Intake
-from .journal import Journal
+from ..broker.journal import Journal
 from .loop import Loop, Timer
 from .slots import Slots
 

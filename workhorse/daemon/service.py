@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator
 
 from ..sqlitedb import said
-from .brokerthread import Wakeup, divert_logging, parked
+from ..broker.thread import Wakeup, divert_logging, parked
 from .loop import Loop
 
 #: Seconds between attempts to (re)connect.

@@ -17,7 +17,7 @@ from ..outcome import Outcome
 from .current import Current
 from .delivery import Stage
 from .events import EventThread
-from .link import BrokerLink
+from ..broker.link import BrokerLink
 from .holding import Holding
 from .intake import Intake
 from .reload import POOL_MAX, POOL_MIN, Reload

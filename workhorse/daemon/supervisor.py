@@ -6,8 +6,8 @@
     Dispatch    buffered messages to idle children; ack at start          (dispatch.py)
     Settlement  store what only the supervisor can, then ack/requeue/DLQ (settlement.py)
     Leases      renew what is held, and idempotency claims                (leases.py)
-    BrokerLink  sockets to watch, per-connection housekeeping, loss, restore  (link.py)
-    Reconnect   back-off after a lost broker connection                   (reconnect.py)
+    BrokerLink  the broker thread, from this side: settle, renew, fetch (broker/link.py)
+    Journal     which held messages were started, for whoever finds us dead (broker/)
     Reload      SIGHUP: config and code again; TTIN/TTOU: pool size       (reload.py)
     System      every OS call, the seam for tests without fork            (system.py)
 
@@ -46,9 +46,9 @@ from .dispatch import Dispatch
 from .exitcodes import ExitCode
 from .holding import Holding
 from .intake import Intake
-from .journal import Entry, Journal, directory_for, message_key
+from ..broker.journal import Entry, Journal, directory_for, message_key
 from .leases import Leases
-from .link import BrokerLink
+from ..broker.link import BrokerLink
 from .loop import Loop
 from .reload import Load, Reload
 from .events import EventThread, TaskEvents

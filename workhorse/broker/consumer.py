@@ -78,7 +78,7 @@ class BrokerConsumer:
     def __init__(self, app: App, queues: list[str], on_message: OnMessage,
                  on_lost: OnLost) -> None:
         self.app = app
-        #: This worker's journal: which held messages it started (``daemon.journal``),
+        #: This worker's journal: which held messages it started (``broker.journal``),
         #: and the dead workers' journals beside it (``use_journal``).
         self.journal: Journal | None = None
         self.dead_workers: DeadWorkers | None = None

@@ -31,8 +31,8 @@ from kombu.message import Message
 from ..sqlitedb import said
 from ..transport.rabbitmq import BrokerBlocked
 from .consumer import BrokerConsumer, BrokerUnavailable
-from .loop import Loop
-from .reconnect import backoff
+from ..daemon.loop import Loop
+from .backoff import LASTED, backoff
 
 if TYPE_CHECKING:
     from ..app import App
@@ -408,7 +408,7 @@ class BrokerThread:
             return
         first, self._first = self._first, False
         connected_at = time.monotonic()
-        self.loop.call_later(60.0, lambda: self._lasted(connected_at))
+        self.loop.call_later(LASTED, lambda: self._lasted(connected_at))
         self._start_housekeeping()
         self.post(lambda: self.on_connected(consumer, True))
         if not first:       # (quietly after a loss that was said quietly)
@@ -463,7 +463,7 @@ class BrokerThread:
         self.loop.call_later(backoff(self._attempts), self._connect)
 
     def _recently_connected(self) -> bool:
-        return time.monotonic() - self.consumer.connected_at < 60.0
+        return time.monotonic() - self.consumer.connected_at < LASTED
 
     def _shut_down(self) -> None:
         try:

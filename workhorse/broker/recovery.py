@@ -1,5 +1,5 @@
 """The workers of this broker on this host that died: what their journals say, and acting
-on it (``daemon.journal`` has the why).
+on it (``broker.journal`` has the why).
 
 - SQLite and Redis: ``put_back`` puts what a dead worker held back at once, through the
   channel's ``recover(owners, judge)``, each message as its journal judges it, then

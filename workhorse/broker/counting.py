@@ -9,7 +9,7 @@ counted for this very message, this delivery included:
 - SQLite and Redis count each take in the step that takes it (``delivery_info
   ["delivery_count"]``), so a supervisor killed outright has counted already; a clean
   hand-back by a live worker takes it back, and so does the recovery of a dead worker's
-  messages for those its journal says were only held (``daemon.recovery``).
+  messages for those its journal says were only held (``broker.recovery``).
 - RabbitMQ only marks a redelivery: the ``redelivered`` flag, which after a lost
   connection or a dead worker means at least one loss (workhorse never requeues through
   the broker, whose requeue sets the flag too). On quorum queues the header

@@ -9,7 +9,7 @@ local file, which the kernel keeps when the process is killed. Whoever finds the
 worker that died (its restart, or any worker of the same broker on the host) reads it:
 
 - SQLite and Redis: the dead worker's leases are put back at once, each marked by what the
-  journal says (``daemon.recovery``): started ones keep the delivery their take counted,
+  journal says (``broker.recovery``): started ones keep the delivery their take counted,
   the others are given it back and counted as held losses instead.
 - RabbitMQ returns a dead connection's messages itself, marked redelivered: a worker that
   receives one looks it up in the journals of the dead workers on its host.

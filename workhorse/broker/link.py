@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from kombu.message import Message
 
-from . import systemd
-from .brokerthread import Ack, BrokerThread, Command, Wakeup, message_label, say_failed
-from .loop import Timer
+from ..daemon import systemd
+from .thread import Ack, BrokerThread, Command, Wakeup, message_label, say_failed
+from ..daemon.loop import Timer
 from .. import sqlitedb
 from ..sqlitedb import said
 from ..urls import redact
@@ -27,7 +27,7 @@ from .journal import Journal
 
 if TYPE_CHECKING:
     from ..app import App
-    from .loop import Loop
+    from ..daemon.loop import Loop
 
 log = logging.getLogger("workhorse.supervisor")
 
