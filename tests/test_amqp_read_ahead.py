@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from workhorse.broker.consumer import _AmqpDriver
+from workhorse.broker.drivers.amqp import AmqpDriver
 from workhorse.transport.rabbitmq import Connection, ReadAheadTransport
 
 from .conftest import wait_until
@@ -116,7 +116,7 @@ def test_the_tick_drains_what_is_buffered_until_no_whole_frame_is_left():
         drained.append(timeout)
         raise TimeoutError       # (each drain delivers what is buffered, then times out)
 
-    driver = _AmqpDriver.__new__(_AmqpDriver)
+    driver = AmqpDriver.__new__(AmqpDriver)
     driver.connection = SimpleNamespace(    # type: ignore[assignment]
         connection=SimpleNamespace(transport=SimpleNamespace(
             frame_buffered=lambda: buffered.pop(0))),

@@ -361,7 +361,7 @@ def test_a_turns_acks_are_sent_even_when_its_fetch_finds_no_room():
     carrying it out: the acks still go (with a take of nothing). The consumer is told to
     take again only when there was room for more than one take and it was full; a take
     that found less than it asked for marks the queues dry (Redis then arms its waits)."""
-    from workhorse.broker.consumer import _TakingDriver
+    from workhorse.broker.drivers.base import TakingDriver
     calls: list[tuple[int, list[str]]] = []
     room = [0]
     queued = [1000]
@@ -371,7 +371,7 @@ def test_a_turns_acks_are_sent_even_when_its_fetch_finds_no_room():
         took = min(limit, queued[0])
         queued[0] -= took
         return took
-    driver = _TakingDriver(types.SimpleNamespace(), types.SimpleNamespace(  # type: ignore[arg-type]
+    driver = TakingDriver(types.SimpleNamespace(), types.SimpleNamespace(  # type: ignore[arg-type]
         MAX_TAKE=64, take=take), lambda: room[0])
     assert driver.ack_and_take(["t1", "t2"]) is False and driver.dry   # (nothing known yet)
     room[0] = 3
@@ -388,7 +388,7 @@ def test_redis_waits_are_armed_only_once_a_take_found_the_lists_empty(monkeypatc
     """Until a take finds the lists empty, the loop's fetches take (several at a time);
     a take or a wait armed on every turn with room took one or two messages a round
     trip. Once a take finds less than it asked for, the waits are armed."""
-    from workhorse.broker import consumer as consumer_module
+    from workhorse.broker.drivers import redis as redis_driver
     armed: list[str] = []
 
     class Waiter:
@@ -399,7 +399,7 @@ def test_redis_waits_are_armed_only_once_a_take_found_the_lists_empty(monkeypatc
             if self.sent_at is None:
                 armed.append(self.key)
                 self.sent_at = 1.0
-    monkeypatch.setattr(consumer_module, "ListWaiter", Waiter)
+    monkeypatch.setattr(redis_driver, "ListWaiter", Waiter)
     queued = [10]
     takes: list[int] = []
 
@@ -411,7 +411,7 @@ def test_redis_waits_are_armed_only_once_a_take_found_the_lists_empty(monkeypatc
     channel = types.SimpleNamespace(MAX_TAKE=64, take=take, active_queues=["q"],
                                     list_keys=lambda queues: list(queues))
     connection = types.SimpleNamespace(transport=types.SimpleNamespace(cycle=None))
-    driver = consumer_module._RedisDriver(connection, channel, lambda: 4)  # type: ignore[arg-type]
+    driver = redis_driver.RedisDriver(connection, channel, lambda: 4)  # type: ignore[arg-type]
     driver.dry = False
     driver.tick()
     assert takes == [] and armed == []          # the loop says when to fetch

@@ -391,7 +391,8 @@ def test_a_worker_on_the_sqlite_broker_is_woken_by_a_publish_not_by_polling(url,
     import select
 
     from workhorse import App
-    from workhorse.broker.consumer import SAFETY_POLL, BrokerConsumer
+    from workhorse.broker.consumer import BrokerConsumer
+    from workhorse.broker.drivers import SAFETY_POLL
     app = App("t", broker_url=url, result_backend="disabled")
     received: list = []
     consumer = BrokerConsumer(app, ["wq"], lambda q, m: received.append(m), lambda e: None)
@@ -416,15 +417,17 @@ def test_without_wakeups_the_sqlite_consumer_polls_every_50_ms_and_says_so(
         url, monkeypatch, caplog):
     from workhorse import App
     from workhorse.broker import consumer as consumer_module
+    from workhorse.broker.drivers import POLL_INTERVAL
+    from workhorse.broker.drivers import sqlite as sqlite_driver
 
     def refuse(path):
         raise PermissionError(13, "read-only directory")
-    monkeypatch.setattr(consumer_module, "Listener", refuse)
+    monkeypatch.setattr(sqlite_driver, "Listener", refuse)
     app = App("t", broker_url=url, result_backend="disabled")
     consumer = consumer_module.BrokerConsumer(app, ["wq"], lambda q, m: None, lambda e: None)
     consumer.connect(4, lambda: 4)
     try:
-        assert consumer.poll_interval == consumer_module.POLL_INTERVAL
+        assert consumer.poll_interval == POLL_INTERVAL
         assert consumer.fds() == set()
         assert "publishers cannot wake this worker" in caplog.text
     finally:

@@ -17,7 +17,7 @@ from kombu import Connection, Producer
 
 import workhorse  # noqa: F401 - registers the sqlite:// transport
 from workhorse import App
-from workhorse.broker import consumer
+from workhorse.broker.drivers import sqlite as sqlite_driver
 from workhorse.broker.thread import BrokerThread
 from workhorse.broker.link import BrokerLink
 from workhorse.daemon.loop import Loop
@@ -168,7 +168,7 @@ class SqliteLink:
 def sqlite_link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SqliteLink]:
     # These tests take on the loop thread, which it does only while the broker thread is
     # parked: its checkpoints, every half second, would now and then be under way.
-    monkeypatch.setattr(consumer, "CHECKPOINT_INTERVAL", 3600.0)
+    monkeypatch.setattr(sqlite_driver, "CHECKPOINT_INTERVAL", 3600.0)
     it = SqliteLink(tmp_path)
     it.publish(0)                      # the file and the queue exist before it connects
     it.link.start()

@@ -20,7 +20,6 @@ from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
-from amqp import spec as amqp_spec
 from kombu import Connection, Consumer, Producer
 from kombu.message import Message
 
@@ -39,35 +38,26 @@ from ..protocol import (
     after_loss,
     dead_letter_queue,
 )
-from ..transport.redis import Channel as RedisChannel, ListWaiter
 from ..transport.store import StoreBusy
-from ..transport.wake import Listener
 from .counting import BROKER_HEADERS, RabbitMQ, earlier_deliveries, parse_version
 from .journal import Journal, message_key
+from .drivers import POLL_INTERVAL, Capabilities, Driver, driver_for
 from .recovery import LOOK_INTERVAL, DeadWorkers
 
 log = logging.getLogger("workhorse.consumer")
 
 #: Message properties carried over when a message is re-published (dead-letter, requeue).
 _KEPT_PROPERTIES = ("correlation_id", "reply_to", "priority")
-#: Brokers with no socket to watch: polled this often while the worker has room.
-POLL_INTERVAL = 0.05
-#: Brokers that wake the worker when a message is there (Redis, RabbitMQ, SQLite with its
-#: wakeups) are still polled this often while the worker has room: a safety net for a
-#: wakeup that could not reach it, never the way messages normally arrive.
-SAFETY_POLL = 1.0
 #: RabbitMQ heartbeat for the consumer's connection (seconds), checked from the loop: a
 #: silent broker is noticed and the connection replaced instead of waited on forever.
 AMQP_HEARTBEAT = 30.0
-#: Redis: how often to put back messages whose lease expired (their consumer died).
-RESTORE_SWEEP_INTERVAL = 2.0
-#: SQLite: how often the broker thread checkpoints the broker file's write-ahead log. The
-#: loop thread's takes leave it to this thread (a checkpoint waits on the disk), so this
-#: bounds how far the log grows past its checkpoint size between two of them.
-CHECKPOINT_INTERVAL = 0.5
 
 OnMessage = Callable[[str, Message], None]
 OnLost = Callable[[BaseException], None]
+
+
+#: What a worker between connections can do: nothing.
+_NONE = Capabilities()
 
 
 class BrokerUnavailable(ConnectionError):
@@ -97,7 +87,7 @@ class BrokerConsumer:
         self.connection: Connection | None = None
         self.consumers: list[Consumer] = []
         self.producer: Producer | None = None
-        self.driver: _Driver | None = None
+        self.driver: Driver | None = None
         self.consuming = False
         self.paused = False
         self.credit = 0
@@ -116,19 +106,19 @@ class BrokerConsumer:
         connection that failed half-way, so the next attempt starts afresh."""
         connection = self.app.connection(heartbeat=AMQP_HEARTBEAT)
         try:
-            self._own_leases(connection)
             connection.ensure_connection(max_retries=retries, interval_start=0.2,
                                          interval_step=0.5)
             channel = connection.channel()
-            if self.journal is not None and isinstance(channel, RedisChannel):
-                channel.lease_owner = self.journal.owner
-            driver = _driver_for(connection, channel, room)
+            driver = driver_for(connection, channel, room)
+            if self.journal is not None:
+                driver.own_leases(self.journal)
             targets = {q: rabbitmq_dead_letter_target(connection, q) for q in self.queues}
             consumers = [
                 Consumer(channel, [ensure_queue(connection, q)],
                          on_message=partial(self.on_message, q), no_ack=False)
                 for q in self.queues]
-            if driver.push:
+            capabilities = driver.capabilities
+            if capabilities.push:
                 driver.send_qos(channel, prefetch_count)
             else:
                 # kombu's virtual transports fetch only while their QoS says it can
@@ -150,22 +140,15 @@ class BrokerConsumer:
         self._queues_ready = set(self.queues)
         self.credit = prefetch_count
         self._channels = {channel, producer.channel}
-        self.leased = hasattr(channel, "renew")
-        self.push = driver.push
-        self.rabbitmq = _rabbitmq(connection) if driver.push else None
+        self.leased = capabilities.leased
+        self.push = capabilities.push
+        self.rabbitmq = _rabbitmq(connection) if capabilities.push else None
         self._error_types = self._errors()
         self.consuming = True
         self.paused = False
         self.generation += 1
         self.connected_at = monotonic()
         self.recover()
-
-    def _own_leases(self, connection: Connection) -> None:
-        """SQLite: each opening of the file gives its leases' tokens a prefix of its own;
-        the journal records it before any lease carries it."""
-        store = getattr(connection.transport, "store", None)
-        if self.journal is not None and store is not None:
-            store.on_open = self.journal.owned
 
     def use_journal(self, journal: Journal) -> None:
         """Before the first connect: the worker's journal, and those of the dead beside it."""
@@ -328,14 +311,19 @@ class BrokerConsumer:
             self._guarded(self.driver.on_readable, fd)
 
     @property
+    def capabilities(self) -> Capabilities:
+        """What the broker of the current connection does (none while there is none)."""
+        return self.driver.capabilities if self.driver is not None else _NONE
+
+    @property
     def takes_with_acks(self) -> bool:
         """Do acks and a take share one round trip (SQLite, Redis)?"""
-        return isinstance(self.driver, _TakingDriver)
+        return self.capabilities.takes_with_acks
 
     @property
     def polled(self) -> bool:
         """True for brokers with no socket to watch (SQLite, memory): call ``poll()``."""
-        return self.driver is not None and self.driver.polled
+        return self.capabilities.polled
 
     def poll(self) -> None:
         if self.driver is not None and self.consuming:
@@ -368,7 +356,9 @@ class BrokerConsumer:
         say that with QoS, so consuming pauses until there is credit again.
         """
         count = max(0, min(count, 65535))
-        if count == self.credit or not self.consuming or not self.driver or not self.driver.push:
+        driver = self.driver
+        if count == self.credit or not self.consuming or driver is None or (
+                not driver.capabilities.push):
             return
         self.credit = count
         if count == 0:
@@ -376,7 +366,7 @@ class BrokerConsumer:
             for consumer in self.consumers:
                 self._guarded(consumer.cancel)
             return
-        self._guarded(self.driver.send_qos, self.consumers[0].channel, count)
+        self._guarded(driver.send_qos, self.consumers[0].channel, count)
         if self.paused:
             self.paused = False
             for consumer in self.consumers:
@@ -417,11 +407,12 @@ class BrokerConsumer:
         for n, message in enumerate(messages):
             by_channel.setdefault(message.channel, []).append(n)
         driver = self.driver if self.consuming else None
-        taking = driver if fetch and isinstance(driver, _TakingDriver) else None
+        taking = driver if fetch and self.capabilities.takes_with_acks else None
         combined = taking.ack_and_take if taking is not None else None
+        consuming = self.consumers[0].channel if self.consumers else None
         more = True         # may a fetch still find messages?
         for channel, numbers in by_channel.items():
-            if combined is not None and taking is not None and channel is taking.channel:
+            if combined is not None and channel is consuming:
                 more = self._ack_batch(channel, combined, messages, numbers, errors)
                 combined = None
             else:
@@ -463,9 +454,9 @@ class BrokerConsumer:
         broker; acks of an older connection's channel; the file busy or in trouble):
         nothing was done, and the broker thread is to do it, waiting as it may."""
         driver = self.driver
-        if not (self.consuming and isinstance(driver, _SqliteDriver)):
+        if driver is None or not (self.consuming and driver.capabilities.takes_inline):
             return None
-        channel = driver.channel
+        channel = self.consumers[0].channel
         if any(message.channel is not channel for message in messages):
             return None
         errors: list[Exception | None] = [None] * len(messages)
@@ -481,18 +472,16 @@ class BrokerConsumer:
     @property
     def takes_at_once(self) -> bool:
         """Can ``take_now`` be asked of this connection (SQLite)?"""
-        return isinstance(self.driver, _SqliteDriver)
+        return self.capabilities.takes_inline
 
     def has_unburied(self) -> bool:
         """Did a ``take_now`` lease unreadable entries that wait for ``bury_unburied``?"""
-        driver = self.driver
-        return isinstance(driver, _SqliteDriver) and bool(driver.channel._unburied)
+        return self.driver is not None and self.driver.has_unburied()
 
     def bury_unburied(self) -> None:
         """Bury the unreadable entries that ``take_now`` leased (burying may wait)."""
-        driver = self.driver
-        if isinstance(driver, _SqliteDriver):
-            self._guarded(driver.channel.bury_unburied)
+        if self.driver is not None:
+            self._guarded(self.driver.bury_unburied)
 
     def forget(self, message: Message) -> None:
         """Drop a message whose lease was lost (``renew`` said so) from its channel's
@@ -687,266 +676,3 @@ def _discard(connection: Connection) -> None:
         connection.release()
     except Exception as exc:  # noqa: BLE001 - closing what is broken already
         log.debug("closing a broken broker connection: %r", exc)
-
-
-def _drain(connection: Connection, max_messages: int = 1000) -> None:
-    """Deliver what the broker already sent us, without waiting for more."""
-    for _ in range(max_messages):
-        try:
-            connection.drain_events(timeout=0)
-        except TimeoutError:
-            return
-
-
-class _Driver:
-    """How the loop watches and reads one kind of broker connection."""
-
-    #: No socket to watch (SQLite, memory): the loop calls ``poll()`` on a timer.
-    polled = False
-    #: The broker pushes messages up to a QoS credit (AMQP); others are fetched by kombu
-    #: only while the channel's QoS says it can consume.
-    push = False
-    #: How often the broker thread polls while there is room (it also polls whenever the
-    #: room grows); brokers that wake the worker need it only as a safety net.
-    poll_interval = SAFETY_POLL
-
-    def __init__(self, connection: Connection) -> None:
-        self.connection = connection
-        self.polled_at = 0.0        # monotonic time of the last poll
-
-    def send_qos(self, channel: Any, count: int) -> None:
-        raise NotImplementedError
-
-    def tick(self) -> None:
-        return None
-
-    def fds(self) -> set[int]:
-        return set()
-
-    def on_readable(self, fd: int) -> None:
-        _drain(self.connection)
-
-    def poll(self) -> None:
-        """Take what is ready now, without waiting."""
-        _drain(self.connection)
-
-    def periodic(self) -> list[tuple[float, Callable[[], None]]]:
-        return []
-
-    def finish(self) -> None:
-        """Before closing: collect any fetch still in flight, so closing loses nothing."""
-
-
-class _AmqpDriver(_Driver):
-    push = True
-
-    def send_qos(self, channel: Any, count: int) -> None:
-        # global=True: RabbitMQ fixes a per-consumer limit (global=False) when the consumer
-        # starts and ignores later changes; the channel-wide limit applies at once, and
-        # covers all our queues together, which is what the window means. Sent without
-        # waiting for QosOk (py-amqp drops an unawaited QosOk).
-        channel.send_method(amqp_spec.Basic.Qos, "lBb", (0, count, True))
-
-    def __init__(self, connection: Connection) -> None:
-        super().__init__(connection)
-        # As kombu's own event-loop hookup does: an empty non-blocking read raises
-        # socket.timeout instead of spinning on EAGAIN.
-        connection.connection.transport.raise_on_initial_eintr = True
-
-    def fds(self) -> set[int]:
-        return {self.connection.connection.sock.fileno()}
-
-    def tick(self) -> None:
-        """Deliver the frames read ahead of the drain that read them (a wait for a publish
-        confirm reads on past it; see ``ReadAheadTransport``): select() cannot see them."""
-        buffered = getattr(self.connection.connection.transport, "frame_buffered", None)
-        while buffered is not None and buffered():
-            _drain(self.connection)
-
-    def periodic(self) -> list[tuple[float, Callable[[], None]]]:
-        heartbeat = self.connection.get_heartbeat_interval()
-        if not heartbeat:
-            return []
-        return [(heartbeat / 4, lambda: self.connection.heartbeat_check(rate=4))]
-
-
-class _TakingDriver(_Driver):
-    """Transports whose channel takes as many messages as there is room for in one round
-    trip, with a turn's acks (``Channel.take(limit, acks)``): Redis and SQLite."""
-
-    def __init__(self, connection: Connection, channel: Any,
-                 room: Callable[[], int]) -> None:
-        super().__init__(connection)
-        self.channel = channel
-        self.room = room
-        #: Did the last take find the queues empty (it took less than it asked for)? Until
-        #: one does, takes come only with the loop's ``FETCH`` (once enough room is free
-        #: for one round trip to take several), with acks, and from the safety poll; Redis
-        #: arms no waits on its lists.
-        self.dry = True
-
-    def _take(self, room: int, tags: Sequence[str] = (), **options: bool) -> int:
-        """``options``: the channel's own (SQLite's ``wait``)."""
-        limit = min(max(0, room), self.channel.MAX_TAKE)
-        took: int = self.channel.take(limit, tags, **options)
-        if limit > 0:
-            self.dry = took < limit
-        return took
-
-    def ack_and_take(self, tags: Sequence[str]) -> bool:
-        """The acks of a turn and the fetch it asked for, in one round trip (Redis: one
-        script; SQLite: one transaction), the acks sent even when there is no room now.
-        Raises what that round trip raised (the caller hands it to each ack). True if
-        there is room for more than one round trip takes and the queues may hold more:
-        take again. (Room freed while this one was on its way is the loop's to ask for,
-        once enough is free: taking it at once took one message a round trip.)"""
-        room = self.room()
-        self._take(room, tags)
-        return room > self.channel.MAX_TAKE and not self.dry
-
-    def _take_while_room(self) -> bool:
-        """Take as many as there is room for, several per round trip."""
-        took = False
-        while (room := self.room()) > 0 and self._take(room):
-            took = True
-        return took
-
-    def poll(self) -> None:
-        self._take_while_room()
-
-
-class _RedisDriver(_TakingDriver):
-    """workhorse's Redis transport: each message is taken and recorded as unacked in one
-    step (``Channel.take``); while the worker has room and the lists are empty, one idle
-    connection per list waits for it to fill (``ListWaiter``). No BRPOP: a message is
-    never in flight between its list and our bookkeeping."""
-
-    #: Seconds a waiter blocks server-side before it is re-armed (a health check: a
-    #: waiter silent well past this is a dead connection).
-    WAIT_TIMEOUT = 10
-
-    def __init__(self, connection: Connection, channel: Any,
-                 room: Callable[[], int]) -> None:
-        super().__init__(connection, channel, room)
-        self.cycle = connection.transport.cycle
-        self.waiters: dict[str, ListWaiter] = {}
-        self.blocking = True        # False on Redis < 6.2 (no BLMOVE): polled instead
-
-    def tick(self) -> None:
-        """With room, once a take found the lists empty: arm a wait on each list not armed
-        yet (a list that filled meanwhile answers at once). While they are armed a new
-        message wakes us; until a take finds the lists empty, the loop's ``FETCH`` takes
-        (a take here on every turn with room took one or two messages a round trip)."""
-        if not self.dry or not self.blocking or self.room() <= 0:
-            return
-        keys = self.channel.list_keys(self.channel.active_queues)
-        for key in keys:
-            waiter = self.waiters.get(key)
-            if waiter is None:
-                waiter = self.waiters[key] = ListWaiter(self.channel, key)
-            waiter.arm(self.WAIT_TIMEOUT)
-
-    def fds(self) -> set[int]:
-        return {fd for fd in (w.fileno() for w in self.waiters.values()) if fd is not None}
-
-    def on_readable(self, fd: int) -> None:
-        for waiter in self.waiters.values():
-            if waiter.fileno() == fd:
-                try:
-                    waiter.read()
-                except self.connection.channel_errors as exc:   # no BLMOVE before 6.2
-                    log.warning("Redis cannot BLMOVE (%r): polling every %.2f s instead",
-                                exc, POLL_INTERVAL)
-                    self.blocking = False
-                    self.finish()
-                break
-        self._take_while_room()
-
-    def periodic(self) -> list[tuple[float, Callable[[], None]]]:
-        # kombu's sweep puts back messages whose lease ran out (their worker died); ours
-        # are renewed long before that, so sweeping often only shortens a dead worker's wait.
-        return [(RESTORE_SWEEP_INTERVAL, self.cycle.maybe_restore_messages),
-                (self.WAIT_TIMEOUT, self._check_waiters),
-                (POLL_INTERVAL, self._poll_unless_blocking)]
-
-    def _poll_unless_blocking(self) -> None:
-        if not self.blocking:
-            self._take_while_room()
-
-    def _check_waiters(self) -> None:
-        """A waiter that is not answered well past its timeout sits on a dead connection."""
-        now = monotonic()
-        for waiter in self.waiters.values():
-            if waiter.sent_at is not None and now - waiter.sent_at > 2 * self.WAIT_TIMEOUT:
-                raise ConnectionError(f"no answer from Redis on list {waiter.key!r} for "
-                                      f"{now - waiter.sent_at:.0f} s")
-
-    def finish(self) -> None:
-        """Waiters take nothing: closing them loses nothing."""
-        for waiter in self.waiters.values():
-            waiter.close()
-        self.waiters.clear()
-
-
-class _PolledDriver(_Driver):
-    """Brokers without a socket (memory): the loop calls ``poll()`` on a timer."""
-
-    polled = True
-    poll_interval = POLL_INTERVAL
-
-
-class _SqliteDriver(_TakingDriver, _PolledDriver):
-    """SQLite: each poll leases as many as there is room for in one transaction and
-    delivers them at once (``Channel.take``), instead of kombu's one message (and one
-    commit) per fetch. Publishers wake it (``transport.wake``); where that cannot be set up
-    (the broker file's directory read-only), it is polled every POLL_INTERVAL."""
-
-    def __init__(self, connection: Connection, channel: Any,
-                 room: Callable[[], int]) -> None:
-        super().__init__(connection, channel, room)
-        self.listener: Listener | None = None
-        path = connection.transport.store.path
-        try:
-            self.listener = Listener(path)
-        except OSError as exc:
-            log.warning("SQLite broker %s: publishers cannot wake this worker (%r); it polls "
-                        "the file every %.2f s instead", path, exc, POLL_INTERVAL)
-        else:
-            self.poll_interval = SAFETY_POLL
-
-    def take_now(self, tags: Sequence[str]) -> None:
-        """``ack_and_take`` without waiting for the file: raises StoreBusy, having changed
-        nothing, where it would wait. One take: whatever more there is room for, the loop
-        asks for again."""
-        self._take(self.room(), tags, wait=False)
-
-    def fds(self) -> set[int]:
-        return {self.listener.fileno()} if self.listener is not None else set()
-
-    def periodic(self) -> list[tuple[float, Callable[[], None]]]:
-        return [(CHECKPOINT_INTERVAL, self.connection.transport.store.checkpoint)]
-
-    def on_readable(self, fd: int) -> None:
-        if self.listener is not None:
-            self.listener.drain()
-        self.polled_at = monotonic()
-        self.poll()
-
-    def finish(self) -> None:
-        if self.listener is not None:
-            self.listener.close()
-            self.listener = None
-
-
-def _driver_for(connection: Connection, channel: Any, room: Callable[[], int]) -> _Driver:
-    driver_type = connection.transport.driver_type
-    if driver_type == "amqp":
-        return _AmqpDriver(connection)
-    if driver_type == "redis":
-        if isinstance(channel, RedisChannel):
-            return _RedisDriver(connection, channel, room)
-        raise ValueError("Redis brokers are consumed through workhorse.transport.redis "
-                         "(App.connection() chooses it)")
-    if callable(getattr(channel, "take", None)):
-        return _SqliteDriver(connection, channel, room)
-    return _PolledDriver(connection)

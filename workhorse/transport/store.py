@@ -249,6 +249,12 @@ class Store:
         self._opened = None
         opened.conn.close()
 
+    @property
+    def prefix(self) -> str | None:
+        """The token prefix of this process's opening of the file (None: not open)."""
+        opened = self._opened
+        return opened.prefix if opened is not None and opened.pid == os.getpid() else None
+
     def _gone_with_old_file(self, lease: Lease) -> bool:
         return lease[1][:_PREFIX_LENGTH] in self._gone
 
