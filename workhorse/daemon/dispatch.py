@@ -9,15 +9,15 @@ journal names it, not a neighbour.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
-from kombu.message import Message
 
 from ..pool.child import Child
 from ..pool.ipc import Job
 from ..pool.limits import effective_limit
 from ..ratelimit import RateLimits
+from ..broker.port import BrokerPort
 from .current import Current
 from .delivery import Delivery, Stage
 from .events import TaskEvents
@@ -34,17 +34,9 @@ log = logging.getLogger("workhorse.supervisor")
 SAME_ID_RECHECK = 1.0
 
 
-class AckingBroker(Protocol):
-    push: bool
-
-    def ack_then(self, message: Message,
-                 then: Callable[[BaseException | None], None]) -> None: ...
-    def republish(self, queue: str, message: Message, headers: Mapping[str, Any]) -> None: ...
-
-
 class Dispatch:
     def __init__(self, current: Current, holding: Holding, intake: Intake, slots: Slots,
-                 broker: AckingBroker, accepting: Callable[[], bool],
+                 broker: BrokerPort, accepting: Callable[[], bool],
                  on_change: Callable[[], None], claim_owner: Callable[[int], str],
                  loop: Loop, clock: Callable[[], float]) -> None:
         self.current = current

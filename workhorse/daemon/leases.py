@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Protocol
 
 from kombu.message import Message
 
 from .delivery import Delivery, Stage
+from ..broker.port import BrokerPort
 from .current import Current
 from .holding import Holding
 
@@ -19,16 +19,8 @@ log = logging.getLogger("workhorse.supervisor")
 RENEWALS_PER_TIMEOUT = 4
 
 
-class LeasedBroker(Protocol):
-    leased: bool
-
-    def renew(self, messages: list[Message],
-              then: Callable[[list[Message]], None]) -> None: ...
-    def forget(self, message: Message) -> None: ...
-
-
 class Leases:
-    def __init__(self, current: Current, broker: LeasedBroker, holding: Holding,
+    def __init__(self, current: Current, broker: BrokerPort, holding: Holding,
                  visibility_timeout: float, on_change: Callable[[], None]) -> None:
         self.current = current
         self.broker = broker

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from kombu.message import Message
 
@@ -27,6 +27,7 @@ from ..outcome import Action, Decision, Outcome, Store, decide
 from ..protocol import read_message
 from ..sqlitedb import said
 from ..states import FAILURE, REVOKED
+from ..broker.port import BrokerPort
 from .current import Current
 from .delivery import Delivery
 from .events import TaskEvents
@@ -39,20 +40,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("workhorse.supervisor")
 
 
-class Broker(Protocol):
-    """What settling needs of the broker connection (``BrokerConsumer``)."""
-
-    def ack(self, message: Message) -> None: ...
-    def requeue(self, queue: str, message: Message) -> None: ...
-    def requeue_counted(self, queue: str, message: Message, deliveries: int) -> None: ...
-    def hand_back(self, queue: str, message: Message) -> None: ...
-    def dead_letter(self, queue: str, message: Message, reason: str, task_id: str | None,
-                    worker: str, *, acked: bool, or_requeue: bool = False) -> None: ...
-    def is_connection_error(self, exc: BaseException) -> bool: ...
-
-
 class Settlement:
-    def __init__(self, current: Current, broker: Broker, loop: Loop, holding: Holding,
+    def __init__(self, current: Current, broker: BrokerPort, loop: Loop, holding: Holding,
                  hostname: str, retry: RetryPolicy, on_change: Callable[[], None]) -> None:
         self.current = current
         self.broker = broker

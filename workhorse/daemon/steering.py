@@ -17,7 +17,7 @@ from ..outcome import Outcome
 from .current import Current
 from .delivery import Stage
 from .events import EventThread
-from ..broker.link import BrokerLink
+from ..broker.port import BrokerPort
 from .holding import Holding
 from .intake import Intake
 from .reload import POOL_MAX, POOL_MIN, Reload
@@ -29,7 +29,7 @@ class Steering:
 
     def __init__(self, current: Current, intake: Intake, holding: Holding, slots: Slots,
                  reloading: Reload, warm_shutdown: Callable[[str], None],
-                 events: EventThread | None, link: BrokerLink) -> None:
+                 events: EventThread | None, link: BrokerPort) -> None:
         self.events = events
         self.link = link
         self.current = current

@@ -49,6 +49,7 @@ from .intake import Intake
 from ..broker.journal import Entry, Journal, directory_for, message_key
 from .leases import Leases
 from ..broker.link import BrokerLink
+from ..broker.port import BrokerPort
 from .loop import Loop
 from .reload import Load, Reload
 from .events import EventThread, TaskEvents
@@ -98,7 +99,7 @@ class Phase(str, enum.Enum):
 
 class Supervisor:
     def __init__(self, app: App, settings: Settings, system: System | None = None,
-                 reload: Load | None = None, link: BrokerLink | None = None) -> None:
+                 reload: Load | None = None, link: BrokerPort | None = None) -> None:
         #: The app and settings in force; a reload replaces both.
         self.current = Current(app, settings)
         self.hostname: str = settings.hostname
@@ -112,7 +113,7 @@ class Supervisor:
         self.loop = Loop(self.system.monotonic)
         self.signals = SignalPipe(HANDLED_SIGNALS)
         self.holding = Holding(settings.concurrency * settings.prefetch_multiplier)
-        self.link = link or BrokerLink(
+        self.link: BrokerPort = link or BrokerLink(
             app, list(settings.queues), self.loop, self.receive, self._connected,
             self._broker_lost, self._gave_up, lambda: self.holding.window,
             settings.broker_connection_max_retries,
