@@ -206,26 +206,3 @@ def test_the_watchdog_is_withheld_only_from_a_broker_thread_that_hangs():
     assert not link.healthy()
 
 
-def test_a_publish_refused_while_rabbitmq_blocks_publishing_waits_and_is_retried(caplog):
-    from tests.fakes import FakeClock, FakeLoop
-    from workhorse.broker.thread import BLOCKED_RETRY, BrokerThread
-    from workhorse.transport.rabbitmq import BrokerBlocked
-    caplog.set_level("INFO", logger="workhorse.broker")
-    clock = FakeClock()
-    thread = BrokerThread.__new__(BrokerThread)
-    thread.loop = FakeLoop(clock)
-    thread.consumer = types.SimpleNamespace(is_connection_error=lambda exc: False)
-    thread._blocked = 0
-    tries: list[float] = []
-
-    def republish(consumer) -> None:
-        tries.append(clock())
-        if len(tries) < 3:
-            raise BrokerBlocked("low on disk")
-    run = thread._guarded(republish, "a dead letter")
-    run(thread.consumer)
-    for _ in range(3):
-        clock.advance(thread.loop, BLOCKED_RETRY)
-    assert len(tries) == 3 and thread._blocked == 0       # waited, then went through once
-    assert "RabbitMQ blocks publishing" in caplog.text
-    assert "publishes again" in caplog.text

@@ -18,7 +18,6 @@ from kombu import Connection, Producer
 import workhorse  # noqa: F401 - registers the sqlite:// transport
 from workhorse import App
 from workhorse.broker.drivers import sqlite as sqlite_driver
-from workhorse.broker.thread import BrokerThread
 from workhorse.broker.link import BrokerLink
 from workhorse.daemon.loop import Loop
 from workhorse.protocol import build_message, dead_letter_queue
@@ -107,24 +106,6 @@ def test_a_take_that_must_not_wait_fails_at_once_while_another_thread_uses_the_s
         leave.set()
         user.join(5)
     assert len(store.lease_many(["q"], 60, 1, wait=False)) == 1
-
-
-def test_the_broker_thread_is_borrowed_only_parked_with_nothing_submitted_to_it():
-    app = App("t", broker_url="memory://", result_backend="disabled")
-    thread = BrokerThread(app, ["q"], lambda callback: None, lambda *a: None,
-                          lambda *a: None, lambda e: None, lambda e: None, lambda: 8,
-                          None, True)
-    thread.thread.is_alive = lambda: True      # type: ignore[method-assign]
-    with thread.borrowed() as consumer:
-        assert consumer is thread.consumer                 # parked, nothing to run
-        with thread.borrowed() as again:
-            assert again is None                           # the gate is held: never waits
-    thread.submit(lambda c: None, "something submitted before")
-    with thread.borrowed() as consumer:
-        assert consumer is None                            # it would be overtaken
-    thread.commands.take()
-    with thread.gate, thread.borrowed() as consumer:
-        assert consumer is None                            # busy in a call
 
 
 class SqliteLink:

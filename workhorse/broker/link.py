@@ -74,9 +74,10 @@ class BrokerLink:
         #: SQLite: a take, or acks, to carry out before the loop waits (_before_wait).
         self._want_fetch = self._want_acks = False
         loop.before_wait(self._before_wait)
-        self.thread = BrokerThread(app, queues, self.inbox.put, self._message,
-                                   self._connected, self._lost, on_gave_up, prefetch,
-                                   max_retries, retry_on_startup)
+        self.thread = BrokerThread(
+            lambda received, lost: BrokerConsumer(app, queues, received, lost),
+            self.inbox.put, self._message, self._connected, self._lost, on_gave_up, prefetch,
+            max_retries, retry_on_startup)
 
     def start(self) -> None:
         self.thread.start()

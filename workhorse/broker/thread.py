@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kombu.message import Message
 
@@ -34,12 +34,13 @@ from .consumer import BrokerConsumer, BrokerUnavailable
 from ..daemon.loop import Loop
 from .backoff import LASTED, backoff
 
-if TYPE_CHECKING:
-    from ..app import App
 
 log = logging.getLogger("workhorse.broker")
 
 Command = Callable[[BrokerConsumer], None]
+#: Makes the session of the connection (``BrokerConsumer``) from what it reports to.
+Session = Callable[[Callable[[str, Message], None], Callable[[BaseException], None]],
+                   BrokerConsumer]
 Callback = Callable[[], None]
 #: The broker thread turns at least this often when idle (its progress stays fresh).
 IDLE_TURN = 1.0
@@ -176,13 +177,15 @@ class BrokerThread:
     #: thread, which counts those it submitted, keeps one in flight at a time.
     fetches_done = 0
 
-    def __init__(self, app: App, queues: list[str], post: Callable[[Callback], None],
+    def __init__(self, session: Session, post: Callable[[Callback], None],
                  on_message: Callable[[str, Message, int], None],
                  on_connected: Callable[[BrokerConsumer, bool], None],
                  on_lost: Callable[[BaseException], None],
                  on_gave_up: Callable[[BaseException], None],
                  prefetch: Callable[[], int], max_retries: int | None,
-                 retry_on_startup: bool) -> None:
+                 retry_on_startup: bool, clock: Callable[[], float] = time.monotonic) -> None:
+        """``session(on_message, on_lost)`` makes the connection's session (a
+        ``BrokerConsumer``; tests give a fake), which reports to this thread."""
         self.thread = threading.Thread(target=self._run, name="broker", daemon=True)
         self.post = post
         self.on_message = on_message
@@ -196,10 +199,10 @@ class BrokerThread:
         self.retry_on_startup = retry_on_startup
         self.room = Room()
         self.commands = Wakeup()
-        self.consumer = BrokerConsumer(app, queues, self._received, self._lost)
-        self.loop = Loop()
+        self.consumer = session(self._received, self._lost)
+        self.loop = Loop(clock)
         #: Monotonic time the thread last turned: stale means it hangs inside a call.
-        self.progress = time.monotonic()
+        self.progress = clock()
         #: Held by this thread whenever it is not parked in select(): see ``parked``.
         self.gate = threading.Lock()
         self._stopping = False
@@ -270,7 +273,7 @@ class BrokerThread:
         self.loop.add_reader(self.commands.read_fd, self._run_commands)
         self.loop.call_later(0, self._connect)
         while not self._stopping:
-            self.progress = time.monotonic()
+            self.progress = self.loop.clock()
             try:
                 with self.gate:
                     self._prepare()
@@ -376,7 +379,7 @@ class BrokerThread:
     def _poll(self) -> None:
         consumer = self.consumer
         if (consumer.connected and self.room.available() > 0
-                and consumer.poll_due(time.monotonic())):
+                and consumer.poll_due(self.loop.clock())):
             consumer.poll()
 
     def _connect(self) -> None:
@@ -407,7 +410,7 @@ class BrokerThread:
             self.loop.call_later(delay, self._connect)
             return
         first, self._first = self._first, False
-        connected_at = time.monotonic()
+        connected_at = consumer.connected_at
         self.loop.call_later(LASTED, lambda: self._lasted(connected_at))
         self._start_housekeeping()
         self.post(lambda: self.on_connected(consumer, True))
@@ -463,7 +466,7 @@ class BrokerThread:
         self.loop.call_later(backoff(self._attempts), self._connect)
 
     def _recently_connected(self) -> bool:
-        return time.monotonic() - self.consumer.connected_at < LASTED
+        return self.loop.clock() - self.consumer.connected_at < LASTED
 
     def _shut_down(self) -> None:
         try:
