@@ -10,9 +10,10 @@ task logs its start and its end with its pid and the time. Afterwards:
 - lost: a task with no stored SUCCESS (it must be none);
 - twice done: a task that ran to its end more than once, although every end but the last
   was in a process nobody killed within a second after it. (A child killed between its
-  task's end and storing its result runs it again, rightly: "rerun after a kill".) Only a
-  broker restart may cause it, on RabbitMQ, which hands a lost connection's running tasks
-  to another worker;
+  task's end and storing its result runs it again, rightly: "rerun after a kill"; and a task
+  the producer sent again after a failed send may be there twice, as two messages of one
+  id, which rightly run twice: "sent twice".) Only a broker restart may cause it, on
+  RabbitMQ, which hands a lost connection's running tasks to another worker;
 - unexplained: a start that did not end, in a process nobody killed (must be none);
 - redelivery delay: after each supervisor kill, how long until the tasks its children
   were running started again elsewhere (bounded by visibility_timeout + a few seconds).
@@ -54,6 +55,9 @@ class Report:
     lost: list[str] = field(default_factory=list)
     twice_done: list[str] = field(default_factory=list)
     rerun_after_kill: list[str] = field(default_factory=list)
+    #: Ran twice, but the producer sent it twice: its first send failed (a broker restart
+    #: between the broker taking the message and its reply), and it sent it again.
+    sent_twice: list[str] = field(default_factory=list)
     unexplained: list[str] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)
     redelivery_delays: list[float] = field(default_factory=list)
@@ -66,7 +70,7 @@ class Report:
         worst = max(self.redelivery_delays, default=0.0)
         return (f"{self.broker:7} sent {self.sent:5}  starts {self.starts:5}  ends {self.ends:5}  "
                 f"lost {len(self.lost)}  twice done {len(self.twice_done)} (rerun after a kill "
-                f"{len(self.rerun_after_kill)})  unexplained "
+                f"{len(self.rerun_after_kill)}, sent twice {len(self.sent_twice)})  unexplained "
                 f"{len(self.unexplained)}  | child kills {kinds[CHILD]}, supervisor kills "
                 f"{kinds[SUPERVISOR]}, broker restarts {kinds[BROKER]} | max redelivery "
                 f"after a supervisor kill {worst:.1f} s | {self.seconds:.0f} s")
@@ -95,6 +99,7 @@ class Chaos:
         self.broker = BrokerEnv(kind, url, queue)
         self.workers: list[Worker] = []
         self.killed: dict[int, float] = {}          # child pid -> when it was killed
+        self.resent: set[str] = set()             # task ids whose first send failed
         self.supervisor_kills: list[tuple[float, set[int]]] = []
         self.report = Report(kind)
 
@@ -178,6 +183,9 @@ class Chaos:
                     chaos_work.apply_async((duration,), task_id=task_id)
                     break
                 except Exception:  # noqa: BLE001 - whatever the outage raises, send again
+                    # (The broker may have the first one: then it is there twice, as two
+                    # messages of one task id, and may rightly run twice.)
+                    self.resent.add(task_id)
                     if stop.wait(0.2):
                         return
             sent.append(task_id)
@@ -251,6 +259,8 @@ class Chaos:
                 earlier = sorted(ends[task_id], key=lambda end: end[1])[:-1]
                 if all(0 <= self.killed.get(pid, -1e9) - at < 1.0 for pid, at in earlier):
                     report.rerun_after_kill.append(task_id)
+                elif task_id in self.resent:
+                    report.sent_twice.append(task_id)
                 else:
                     report.twice_done.append(task_id)
             ended_in = {pid for pid, _ in ends[task_id]}
