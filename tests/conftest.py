@@ -60,10 +60,19 @@ class BrokerEnv:
     """One broker for one test: a URL, a unique queue, and clean-up."""
 
     def __init__(self, kind: str, url: str, queue: str) -> None:
+        #: sqlite, redis, amqp, or quorum (RabbitMQ, its queues quorum queues)
         self.kind = kind
         self.url = url
         self.queue = queue
         self.extra_queues: list[str] = []
+
+    @property
+    def rabbitmq(self) -> bool:
+        return self.kind in ("amqp", "quorum")
+
+    @property
+    def queue_type(self) -> str:
+        return "quorum" if self.kind == "quorum" else "classic"
 
     def connection(self):
         from kombu import Connection
@@ -73,8 +82,8 @@ class BrokerEnv:
         """Messages ready in a queue (not the ones held unacknowledged by a consumer)."""
         from workhorse.queues import ensure_queue
         with self.connection() as conn:
-            queue = ensure_queue(conn, name or self.queue)(conn.default_channel)
-            return queue.queue_declare(passive=self.kind == "amqp").message_count
+            queue = ensure_queue(conn, name or self.queue, self.queue_type)(conn.default_channel)
+            return queue.queue_declare(passive=self.rabbitmq).message_count
 
     def drain(self, name: str, limit: int = 1000) -> list:
         """Take (and ack) every message in a queue: [(headers, body bytes)].
@@ -83,7 +92,7 @@ class BrokerEnv:
         from workhorse.queues import ensure_queue
         out = []
         with self.connection() as conn:
-            q = ensure_queue(conn, name)(conn.default_channel)
+            q = ensure_queue(conn, name, self.queue_type)(conn.default_channel)
             for _ in range(limit):
                 message = q.get(no_ack=False, accept=["application/json"])
                 if message is None:
@@ -165,17 +174,42 @@ def make_broker(kind: str, tmp_path: Path) -> BrokerEnv:
     if kind == "redis":
         require_service("Redis", 6379)
         return BrokerEnv(kind, REDIS_URL, queue)
-    if kind == "amqp":
+    if kind in ("amqp", "quorum"):
         require_service("RabbitMQ", 5672)
         return BrokerEnv(kind, AMQP_URL, queue)
     raise ValueError(kind)
 
 
-@pytest.fixture(params=["sqlite", "redis", "amqp"])
-def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BrokerEnv]:
-    env = make_broker(request.param, tmp_path)
-    yield env
-    env.cleanup()
+def broker_fixture(*kinds: str):  # type: ignore[no-untyped-def]
+    """The ``broker`` fixture over ``kinds``: a test module that must also run on RabbitMQ's
+    quorum queues defines ``broker = broker_fixture(*BROKERS, "quorum")``."""
+    @pytest.fixture(params=kinds)
+    def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BrokerEnv]:
+        env = make_broker(request.param, tmp_path)
+        yield env
+        env.cleanup()
+    return broker
+
+
+BROKERS = ("sqlite", "redis", "amqp")
+broker = broker_fixture(*BROKERS)
+
+
+#: Every worker the running test started: a failed test's report shows the end of their logs.
+STARTED: list[Worker] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for worker in STARTED:
+            with contextlib.suppress(OSError):
+                report.sections.append((f"worker {worker.pid} log (last 6000 characters)",
+                                        worker.log()[-6000:]))
+    if call.when == "teardown":
+        STARTED.clear()
 
 
 class Worker:
@@ -191,6 +225,7 @@ class Worker:
             env=env,
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         self.pid = self.proc.pid
+        STARTED.append(self)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -296,6 +331,7 @@ def worker_env(broker: BrokerEnv, tmp_path: Path, **settings: object) -> dict[st
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKHORSE_")}
     env.update({
         "PYTHONPATH": str(ROOT),
+        "WORKHORSE_QUEUE_TYPE": broker.queue_type,
         "WORKHORSE_BROKER_URL": broker.url,
         "WORKHORSE_RESULT_BACKEND": f"sqlite:///{tmp_path / 'results.sqlite3'}",
         "WORKHORSE_STATE_DIR": str(tmp_path / "state"),

@@ -37,7 +37,8 @@ class FakeSession:
         self.replaced: set[Any] = set()     # redeliveries replaced by a copy: never handed
 
     # -- life cycle
-    def connect(self, prefetch: int, room: Callable[[], int], *, retries: int = 3) -> None:
+    def connect(self, prefetch: int, room: Callable[[], int], *, retries: int = 3,
+                acked_running: int = 0) -> None:
         self.attempts.append(self.clock())
         if not self.up:
             raise ConnectionRefusedError("refused")

@@ -71,6 +71,7 @@ SAMPLES = {
     "acks_on_timeout": ("0", False),
     "max_deliveries": ("7", 7),
     "max_held_losses": ("25", 25),
+    "queue_type": ("Quorum", "quorum"),
     "soft_time_limit": ("10", 10.0),
     "time_limit": ("20", 20.0),
     "track_started": ("yes", True),
@@ -297,3 +298,32 @@ def test_settings_reference_is_up_to_date():
     current = reference.DOC_PATH.read_text() if reference.DOC_PATH.exists() else ""
     assert current == reference.render(), (
         "docs/settings.md is stale: run `python -m workhorse.config.reference --write`")
+
+
+def test_a_queue_listed_with_a_type_is_declared_with_it_else_queue_type():
+    from workhorse import App
+    app = App("t", queues="default, payments:quorum, odd:name:classic", queue_type="classic",
+              broker_url="memory://", result_backend="disabled")
+    assert list(app.settings.queues) == ["default", "payments", "odd:name"]
+    assert app.queue_type("payments") == "quorum"
+    assert app.queue_type("payments.dead") == "quorum"       # its dead letters' too
+    assert app.queue_type("default") == "classic"
+    assert app.queue_type("odd:name") == "classic"
+
+
+def test_a_celery_apps_queue_types_apply_unless_queue_type_is_set():
+    from workhorse import App
+    app = App("t", queues="a, b", broker_url="memory://", result_backend="disabled")
+    app.celery_default_queue_type, app.celery_queue_types = "quorum", {"b": "classic"}
+    assert (app.queue_type("a"), app.queue_type("b")) == ("quorum", "classic")
+    set_explicitly = App("t", queues="a, b", queue_type="classic", broker_url="memory://",
+                         result_backend="disabled")
+    set_explicitly.celery_default_queue_type = "quorum"
+    assert set_explicitly.queue_type("a") == "classic"
+
+
+def test_a_queue_listed_twice_under_two_types_is_refused():
+    from workhorse import App
+    from workhorse.config import ConfigError
+    with pytest.raises(ConfigError, match="queues.*without repeats"):
+        _ = App("t", queues="a, a:quorum").settings

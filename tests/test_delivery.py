@@ -21,9 +21,12 @@ from workhorse.exceptions import (
 )
 from workhorse.protocol import DELIVERIES_HEADER
 
-from .conftest import runs, wait_until
+from .conftest import BROKERS, broker_fixture, runs, wait_until
 
 pytestmark = pytest.mark.timeout(180)
+
+#: Also on RabbitMQ's quorum queues.
+broker = broker_fixture(*BROKERS, "quorum")
 
 
 def starts(tmp_path, task_id: str) -> int:

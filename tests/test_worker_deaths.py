@@ -16,10 +16,13 @@ import pytest
 from workhorse.broker.consumer import DEAD_REASON_HEADER, DEAD_TASK_HEADER
 from workhorse.exceptions import TooManyDeliveries
 
-from .conftest import BrokerEnv, Worker, runs, wait_until
+from .conftest import BROKERS, broker_fixture, BrokerEnv, Worker, runs, wait_until
 from .test_delivery import failure, starts
 
 pytestmark = pytest.mark.timeout(300)
+
+#: Also on RabbitMQ's quorum queues.
+broker = broker_fixture(*BROKERS, "quorum")
 
 
 class Restarting:

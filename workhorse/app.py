@@ -17,9 +17,10 @@ from ._state import current_app, current_context, new_task_id, set_current_app
 from .backends import Backend, RetryPolicy, backend_from_url
 from .builtins import register_builtins
 from .config import SETTINGS, ConfigError, Settings, load_settings
+from .config.types import QUEUE_TYPES
 from .config.task_options import invalid
 from .forksafe import abandon
-from .protocol import build_message
+from .protocol import DEAD_SUFFIX, build_message
 from .queues import ensure_queue
 from .result import AsyncResult, GroupResult, ResultCache
 from .task import Task, resolve_times
@@ -72,6 +73,10 @@ class App:
         self._producer_connection: Connection | None = None
         self._queues_ready: set[str] = set()
         self._backend: Backend | None = None
+        #: What a Celery app run with -A declares its queues as (its task_queues'
+        #: x-queue-type, its task_default_queue_type): see ``queue_type``.
+        self.celery_queue_types: dict[str, str] = {}
+        self.celery_default_queue_type: str | None = None
         self.result_cache = ResultCache()
         register_builtins(self)
         set_current_app(self)
@@ -132,6 +137,22 @@ class App:
                                 extended=s.result_extended, retry=result_retry_policy(s))
 
     # -- broker
+    def queue_type(self, queue: str) -> str:
+        """The type ``queue`` is declared with on RabbitMQ when it does not exist: as the
+        queues setting writes it beside the name, else as a Celery app run with -A declares
+        it (unless the queue_type setting is set), else queue_type. A dead-letter queue
+        has its queue's type."""
+        settings = self.settings
+        queue = queue.removesuffix(DEAD_SUFFIX)
+        for listed in settings.queues:
+            if listed == queue and getattr(listed, "queue_type", None):
+                return str(listed.queue_type)
+        if settings.source("queue_type") == "default":
+            celery = self.celery_queue_types.get(queue, self.celery_default_queue_type)
+            if celery in QUEUE_TYPES:
+                return str(celery)
+        return str(settings.queue_type)
+
     def connection(self, heartbeat: float = 0) -> Connection:
         """A new, unconnected kombu Connection to the configured broker. ``heartbeat``
         (RabbitMQ): only for a connection whose owner calls ``heartbeat_check``."""
@@ -231,7 +252,7 @@ class App:
             connection = self._producer_connection
             if queue not in self._queues_ready:
                 connection.ensure_connection(**PUBLISH_RETRY_POLICY)
-                ensure_queue(connection, queue)
+                ensure_queue(connection, queue, self.queue_type(queue))
                 self._queues_ready.add(queue)
             try:
                 Producer(connection).publish(

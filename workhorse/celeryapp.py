@@ -41,11 +41,25 @@ def from_celery(celery_app: Any, main: str | None = None) -> App:
     sources (config file, env, CLI) as for any App."""
     celery_app.finalize(auto=True)
     app = App(main or getattr(celery_app, "main", None) or "celery")
+    app.celery_default_queue_type, app.celery_queue_types = _queue_types(celery_app)
     for name, task in sorted(celery_app.tasks.items()):
         if name.startswith("celery.") or name in app.tasks:
             continue
         app.task(name=name, typing=False, **_options(task))(_runner(task))
     return app
+
+
+def _queue_types(celery_app: Any) -> tuple[str | None, dict[str, str]]:
+    """The Celery app's task_default_queue_type, and the x-queue-type its task_queues
+    declare each of them with."""
+    conf = celery_app.conf
+    default = conf.get("task_default_queue_type")
+    types: dict[str, str] = {}
+    for queue in conf.get("task_queues") or ():
+        kind = (getattr(queue, "queue_arguments", None) or {}).get("x-queue-type")
+        if isinstance(kind, str) and getattr(queue, "name", None):
+            types[queue.name] = kind
+    return (default if isinstance(default, str) else None), types
 
 
 def _options(task: Any) -> dict[str, Any]:

@@ -20,11 +20,20 @@ from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
-from kombu import Connection, Consumer, Producer
+from kombu import Connection, Consumer, Producer, Queue
 from kombu.message import Message
 
 from ..app import BROKER_TIMEOUT, App
-from ..queues import DeadLetterTarget, ensure_queue, rabbitmq_dead_letter_target
+from ..queues import (
+    DeadLetterTarget,
+    bind_delayed_delivery,
+    declare_delayed_delivery,
+    declared_type,
+    ensure_queue,
+    probe_argument,
+    rabbitmq_dead_letter_target,
+    undelayed,
+)
 from ..urls import redact
 from ..protocol import (
     DEAD_AT_HEADER,
@@ -92,6 +101,13 @@ class BrokerConsumer:
         self.paused = False
         self.credit = 0
         self.dead_letter_targets: dict[str, DeadLetterTarget | None] = {}
+        #: RabbitMQ: each consumed queue's type (classic, quorum), as RabbitMQ has it.
+        self.queue_types: dict[str, str] = {}
+        #: RabbitMQ with a quorum queue: each consumer's prefetch (0: a channel-wide
+        #: credit instead), and whether consuming pauses for want of room (``_pace``).
+        self.per_consumer = 0
+        self._paced = False
+        self._room: Callable[[], int] = lambda: 0
         self._queues_ready: set[str] = set()
         #: The RabbitMQ server's version, which says what its delivery marks mean (None:
         #: not RabbitMQ; SQLite and Redis count deliveries themselves).
@@ -99,11 +115,13 @@ class BrokerConsumer:
 
     # -- lifecycle
     def connect(self, prefetch_count: int, room: Callable[[], int], *,
-                retries: int = 3) -> None:
+                retries: int = 3, acked_running: int = 0) -> None:
         """Connect and start consuming. ``room``: how many more messages the supervisor's
-        own count says it may take (brokers we poll ask it before each fetch). Raises when the
-        broker cannot be reached (after ``retries`` quick retries); nothing is kept of a
-        connection that failed half-way, so the next attempt starts afresh."""
+        own count says it may take (brokers we poll ask it before each fetch);
+        ``acked_running``: how many of the window's running messages may be acked already
+        (acked at start), which a per-consumer prefetch must leave room for. Raises when
+        the broker cannot be reached (after ``retries`` quick retries); nothing is kept of
+        a connection that failed half-way, so the next attempt starts afresh."""
         connection = self.app.connection(heartbeat=AMQP_HEARTBEAT)
         try:
             connection.ensure_connection(max_retries=retries, interval_start=0.2,
@@ -114,12 +132,17 @@ class BrokerConsumer:
                 driver.own_leases(self.journal)
             targets = {q: rabbitmq_dead_letter_target(connection, q) for q in self.queues}
             consumers = [
-                Consumer(channel, [ensure_queue(connection, q)],
+                Consumer(channel, [self._queue(connection, q)],
                          on_message=partial(self.on_message, q), no_ack=False)
                 for q in self.queues]
             capabilities = driver.capabilities
+            per_consumer = 0
             if capabilities.push:
-                driver.send_qos(channel, prefetch_count)
+                per_consumer = self._per_consumer(prefetch_count - acked_running)
+                if per_consumer:
+                    driver.send_qos(channel, per_consumer, per_consumer=True)
+                else:
+                    driver.send_qos(channel, prefetch_count)
             else:
                 # kombu's virtual transports fetch only while their QoS says it can
                 # consume; let it ask the supervisor, whose count is exact in either mode.
@@ -139,6 +162,8 @@ class BrokerConsumer:
         self.dead_letter_targets = targets
         self._queues_ready = set(self.queues)
         self.credit = prefetch_count
+        self.per_consumer = per_consumer
+        self._room = room
         self._channels = {channel, producer.channel}
         self.leased = capabilities.leased
         self.push = capabilities.push
@@ -149,6 +174,20 @@ class BrokerConsumer:
         self.generation += 1
         self.connected_at = monotonic()
         self.recover()
+
+    def _per_consumer(self, base: int) -> int:
+        """RabbitMQ, where a consumed queue is a quorum queue (which refuses a channel-wide
+        prefetch): each consumer's own prefetch, fixed when it starts, so that all of them
+        together never deliver past the window: ``base`` (the window, less the running
+        messages that may be acked already) shared among the queues. 0: the channel-wide
+        credit is used (every queue classic). At least 1: where the window is smaller
+        than the queues (or than what acks at start leave), consuming pauses whenever
+        there is no room for one more from each (``set_credit``)."""
+        if not any(kind == "quorum" for kind in self.queue_types.values()):
+            return 0
+        share = max(1, base // max(1, len(self.queues)))
+        self._paced = base < len(self.queues)
+        return share
 
     def use_journal(self, journal: Journal) -> None:
         """Before the first connect: the worker's journal, and those of the dead beside it."""
@@ -175,6 +214,44 @@ class BrokerConsumer:
 
     def journal_key(self, message: Message) -> str | None:
         return message_key(message, self.leased)
+
+    def _queue(self, connection: Connection, name: str) -> Queue:
+        """The queue ``name`` to consume, declared as the settings say if it is missing; on
+        RabbitMQ its type, which a queue that exists keeps (said once if it differs)."""
+        wanted = self.app.queue_type(name)
+        queue = ensure_queue(connection, name, wanted)
+        if self.queue_types.get(name) is None and connection.transport.driver_type == "amqp":
+            existed = getattr(queue, "no_declare", False)
+            actual = declared_type(connection, name) if existed else wanted
+            if actual != wanted:
+                log.warning("queue %s is a %s queue on RabbitMQ, not %s as queue_type says: "
+                            "it is consumed as it is (delete it, with nothing in it, to have "
+                            "it declared anew)", name, actual, wanted)
+            self.queue_types[name] = actual
+            if actual == "quorum":
+                self._quorum_queue(connection, name, existed)
+        return queue
+
+    def _quorum_queue(self, connection: Connection, name: str, existed: bool) -> None:
+        """Once per queue and worker: what Celery's countdown tasks need (the delay levels,
+        and this queue bound to their end), and a word on a delivery-limit that could drop
+        messages or dead-letter a message before workhorse's own bounds do."""
+        declare_delayed_delivery(connection, "quorum")
+        bind_delayed_delivery(connection, name, name)
+        limit = probe_argument(connection, name, "x-delivery-limit") if existed else None
+        if isinstance(limit, int) and limit >= 0:
+            target = rabbitmq_dead_letter_target(connection, name)
+            backstop = self.app.settings.max_held_losses
+            if target is None:
+                log.warning("quorum queue %s has x-delivery-limit = %d and no dead-letter "
+                            "exchange: RabbitMQ drops a message returned more often than that "
+                            "(each worker that dies holding it returns it). Remove the limit, "
+                            "or give the queue a dead-letter exchange", name, limit)
+            elif limit < backstop:
+                log.warning("quorum queue %s has x-delivery-limit = %d, below workhorse's "
+                            "max_held_losses (%d): RabbitMQ dead-letters a message held by "
+                            "that many workers that died, before workhorse's own bound", name,
+                            limit, backstop)
 
     @property
     def connected(self) -> bool:
@@ -269,7 +346,7 @@ class BrokerConsumer:
         connection = self.connection
         if connection is None or not self.consuming or not self.consumers:
             return          # the next connect consumes it
-        consumer = Consumer(self.consumers[0].channel, [ensure_queue(connection, queue)],
+        consumer = Consumer(self.consumers[0].channel, [self._queue(connection, queue)],
                             on_message=partial(self.on_message, queue), no_ack=False)
         if self.push:
             self.dead_letter_targets[queue] = rabbitmq_dead_letter_target(connection, queue)
@@ -357,6 +434,9 @@ class BrokerConsumer:
         """
         count = max(0, min(count, 65535))
         driver = self.driver
+        if self.per_consumer and self.consuming:
+            self._pace()
+            return
         if count == self.credit or not self.consuming or driver is None or (
                 not driver.capabilities.push):
             return
@@ -368,6 +448,23 @@ class BrokerConsumer:
             return
         self._guarded(driver.send_qos, self.consumers[0].channel, count)
         if self.paused:
+            self.paused = False
+            for consumer in self.consumers:
+                self._guarded(consumer.consume)
+
+    def _pace(self) -> None:
+        """Per-consumer prefetch where the window is smaller than what the consumers could
+        be sent (``_per_consumer``): consume only while there is room for one more from
+        each; paused (cancelled) before the ack that would free one, which follows it on
+        the channel."""
+        if not self._paced:
+            return
+        room = self._room()
+        if not self.paused and room < len(self.consumers):
+            self.paused = True
+            for consumer in self.consumers:
+                self._guarded(consumer.cancel)
+        elif self.paused and room >= len(self.consumers):
             self.paused = False
             for consumer in self.consumers:
                 self._guarded(consumer.consume)
@@ -574,7 +671,7 @@ class BrokerConsumer:
 
         def publish() -> None:
             if not exchange and queue not in self._queues_ready:
-                ensure_queue(connection, queue)
+                ensure_queue(connection, queue, self.app.queue_type(queue))
                 self._queues_ready.add(queue)
             # No kombu retry: it would reconnect this connection in place, closing the
             # consuming channel behind our back. A failure is a lost connection (below).
@@ -624,8 +721,8 @@ class BrokerConsumer:
             self._still_held(message)
         target = self.dead_letter_targets.get(queue)
         if target is not None:
-            routing_key = target.routing_key or (message.delivery_info or {}).get(
-                "routing_key") or queue
+            routing_key = target.routing_key or undelayed(
+                (message.delivery_info or {}).get("routing_key") or queue)
             self.republish(routing_key, message, headers, exchange=target.exchange)
         else:
             self.republish(dead_letter_queue(queue), message, headers)

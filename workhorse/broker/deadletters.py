@@ -207,9 +207,9 @@ class _TakenShelf:
     """RabbitMQ (and any other broker): messages taken without acknowledging, and given
     back when done, in the order taken."""
 
-    def __init__(self, connection: Connection, dead_queue: str) -> None:
+    def __init__(self, connection: Connection, dead_queue: str, queue_type: str) -> None:
         self.channel = connection.channel()
-        self.queue = ensure_queue(connection, dead_queue)(self.channel)
+        self.queue = ensure_queue(connection, dead_queue, queue_type)(self.channel)
         self.taken: list[Message] = []
 
     def entries(self, limit: int | None) -> list[Entry]:
@@ -242,15 +242,25 @@ class _TakenShelf:
             self.channel.close()     # the broker takes back whatever is still unacked
 
 
+#: The type a missing RabbitMQ queue is declared as, by name (``App.queue_type``).
+QueueType = Callable[[str], str]
+
+
+def classic(queue: str) -> str:
+    return "classic"
+
+
 @contextmanager
-def open_dead_queue(connection: Connection, dead_queue: str) -> Iterator[Shelf]:
+def open_dead_queue(connection: Connection, dead_queue: str,
+                    queue_type: QueueType = classic) -> Iterator[Shelf]:
+    """``queue_type``: what a missing queue is declared as (RabbitMQ)."""
     channel = connection.default_channel
     if isinstance(channel, SqliteChannel):
         yield _StoreShelf(channel, dead_queue)
     elif isinstance(channel, RedisChannel):
         yield _RedisShelf(channel, dead_queue)
     else:
-        shelf = _TakenShelf(connection, dead_queue)
+        shelf = _TakenShelf(connection, dead_queue, queue_type(dead_queue))
         try:
             yield shelf
         finally:
@@ -258,21 +268,23 @@ def open_dead_queue(connection: Connection, dead_queue: str) -> Iterator[Shelf]:
 
 
 # ---------------------------------------------------------------------------- the commands
-def list_dead(connection: Connection, dead_queue: str, limit: int = 100) -> list[DeadLetter]:
+def list_dead(connection: Connection, dead_queue: str, limit: int = 100,
+              queue_type: QueueType = classic) -> list[DeadLetter]:
     """The first ``limit`` dead letters, in the order they would be delivered; nothing is
     removed or moved."""
-    with open_dead_queue(connection, dead_queue) as shelf:
+    with open_dead_queue(connection, dead_queue, queue_type) as shelf:
         return [entry.letter for entry in shelf.entries(limit)]
 
 
 def requeue_dead(connection: Connection, dead_queue: str, ids: Collection[str] | None,
-                 default_queue: str, report: Report) -> None:
+                 default_queue: str, report: Report,
+                 queue_type: QueueType = classic) -> None:
     """Publish the dead letters named by ``ids`` (None: all) back to the queue they died in,
     as fresh deliveries (their delivery count starts again), then remove them from the
     dead-letter queue. Unreadable ones stay where they are."""
     producer = Producer(connection.channel())
     ready: set[str] = set()
-    with open_dead_queue(connection, dead_queue) as shelf:
+    with open_dead_queue(connection, dead_queue, queue_type) as shelf:
         for entry in shelf.entries(None):
             letter = entry.letter
             if ids is not None and letter.id not in ids:
@@ -287,7 +299,7 @@ def requeue_dead(connection: Connection, dead_queue: str, ids: Collection[str] |
                 continue
             target = letter.queue or default_queue
             if target not in ready:
-                ensure_queue(connection, target)
+                ensure_queue(connection, target, queue_type(target))
                 ready.add(target)
             _replay(producer, entry.content, target)
             # After the copy is out: a crash in between duplicates, never loses.
@@ -312,10 +324,10 @@ def _replay(producer: Producer, content: Content, target: str) -> None:
 
 
 def purge_dead(connection: Connection, dead_queue: str, ids: Collection[str] | None,
-               report: Report) -> None:
+               report: Report, queue_type: QueueType = classic) -> None:
     """Remove the dead letters named by ``ids``; None: every one but the unreadable, which
     are removed only when named."""
-    with open_dead_queue(connection, dead_queue) as shelf:
+    with open_dead_queue(connection, dead_queue, queue_type) as shelf:
         for entry in shelf.entries(None):
             letter = entry.letter
             if ids is None and letter.unreadable:

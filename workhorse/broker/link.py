@@ -45,7 +45,9 @@ class BrokerLink:
                  on_connected: Callable[[], None], on_lost: Callable[[BaseException], None],
                  on_gave_up: Callable[[BaseException], None],
                  prefetch: Callable[[], int], max_retries: int | None,
-                 retry_on_startup: bool) -> None:
+                 retry_on_startup: bool, acked_running: Callable[[], int] = lambda: 0) -> None:
+        """``prefetch``: the window; ``acked_running``: how many of its running messages
+        may be acked already (at start)."""
         self.queues = queues
         self.inbox = Wakeup()
         loop.add_reader(self.inbox.read_fd, self._run_posted)
@@ -77,7 +79,7 @@ class BrokerLink:
         self.thread = BrokerThread(
             lambda received, lost: BrokerConsumer(app, queues, received, lost),
             self.inbox.put, self._message, self._connected, self._lost, on_gave_up, prefetch,
-            max_retries, retry_on_startup)
+            max_retries, retry_on_startup, acked_running=acked_running)
 
     def start(self) -> None:
         self.thread.start()

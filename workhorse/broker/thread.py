@@ -183,7 +183,8 @@ class BrokerThread:
                  on_lost: Callable[[BaseException], None],
                  on_gave_up: Callable[[BaseException], None],
                  prefetch: Callable[[], int], max_retries: int | None,
-                 retry_on_startup: bool, clock: Callable[[], float] = time.monotonic) -> None:
+                 retry_on_startup: bool, clock: Callable[[], float] = time.monotonic,
+                 acked_running: Callable[[], int] = lambda: 0) -> None:
         """``session(on_message, on_lost)`` makes the connection's session (a
         ``BrokerConsumer``; tests give a fake), which reports to this thread."""
         self.thread = threading.Thread(target=self._run, name="broker", daemon=True)
@@ -193,6 +194,8 @@ class BrokerThread:
         self.on_lost = on_lost
         self.on_gave_up = on_gave_up
         self.prefetch = prefetch
+        #: How many of the window's running messages may be acked already (at start).
+        self.acked_running = acked_running
         #: Failed attempts in a row before giving up (None: never); the first connection
         #: gives up at its first failure unless retry_on_startup.
         self.max_retries = max_retries
@@ -387,7 +390,8 @@ class BrokerThread:
             return
         consumer = self.consumer
         try:
-            consumer.connect(self.prefetch(), self.room.available, retries=0)
+            consumer.connect(self.prefetch(), self.room.available, retries=0,
+                             acked_running=self.acked_running())
         except Exception as exc:  # noqa: BLE001 - unreachable still: said, then retried
             self._attempts += 1
             limit = self.max_retries if self.retry_on_startup or not self._first else 0

@@ -90,9 +90,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("app", "worker", t.text(_check_app, "a module or module:attribute").or_none(), None,
             "The task module to import: `module` or `module:attribute` naming a workhorse App.",
             cli=("-A",), reload=False),
-    Setting("queues", "worker", t.string_list(), ("celery",),
-            "Queues to consume. Tasks sent without a queue go to the first one.", cli=("-Q",),
-            reload=False),
+    Setting("queues", "worker", t.queue_list(), (t.QueueName("celery"),),
+            "Queues to consume. Tasks sent without a queue go to the first one. On RabbitMQ "
+            "a name may carry the type its queue is declared with: payments:quorum (else "
+            "queue_type).", cli=("-Q",), reload=False),
     Setting("concurrency", "worker", t.integer(1, 1024), lambda _: os.cpu_count() or 1,
             "Number of child processes, each running one task at a time.",
             default_doc="number of CPUs", cli=("-c",)),
@@ -176,6 +177,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("broker_connection_max_retries", "broker", t.integer(0).or_none(), None,
             "Give up (exit with status 1) after this many failed attempts in a row to "
             "connect or reconnect to the broker; none: never give up.", reload=False),
+    Setting("queue_type", "broker", t.choice(*t.QUEUE_TYPES), "classic",
+            "RabbitMQ: the type the worker declares its task queues (and their .dead queues) "
+            "with when they do not exist: classic, or quorum (replicated across a cluster's "
+            "nodes). A queue that exists is used as it is; one whose type differs is named in "
+            "the log. Remote-control and event queues are always classic. A Celery app run "
+            "with -A brings its own (task_default_queue_type, x-queue-type in task_queues) "
+            "unless this is set.", reload=False),
     Setting("rabbitmq_consumer_timeout", "broker", t.seconds(positive=True), 1800.0,
             "RabbitMQ's consumer_timeout (its default: 30 minutes). A scheduled (ETA) message "
             "held for half of it is handed back to its queue as a fresh copy, so RabbitMQ "

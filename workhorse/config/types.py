@@ -224,6 +224,41 @@ def string_list() -> ValueType:
     return ValueType(accepted, parse, toml_name="array of strings")
 
 
+#: RabbitMQ's queue types a worker declares its task queues as (``queue_type``).
+QUEUE_TYPES = ("classic", "quorum")
+
+
+class QueueName(str):
+    """A queue's name as ``queues`` lists it; ``queue_type`` is the type written beside it
+    (``payments:quorum``), None where none is (the ``queue_type`` setting's then)."""
+
+    queue_type: str | None = None
+
+
+def queue_list() -> ValueType:
+    accepted = ("a list of queue names, each optionally followed by :classic or :quorum "
+                "(a TOML array, or comma-separated)")
+    names = string_list()
+
+    def parse(raw: Any) -> tuple[QueueName, ...]:
+        try:
+            items = names.parse(raw)
+        except Invalid as exc:
+            raise Invalid(str(exc).replace(names.accepted, accepted)) from None
+        queues = []
+        for item in items:
+            name, colon, kind = item.rpartition(":")
+            queue = QueueName(name if colon and name and kind.casefold() in QUEUE_TYPES
+                              else item)
+            if queue != item:
+                queue.queue_type = kind.casefold()
+            queues.append(queue)
+        if len(set(queues)) != len(queues):
+            raise Invalid(f"expected {accepted}, without repeats")
+        return tuple(queues)
+    return ValueType(accepted, parse, toml_name="array of strings")
+
+
 def path(what: str = "a directory path") -> ValueType:
     accepted = f"{what} (relative paths are taken from the current directory)"
 

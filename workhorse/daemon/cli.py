@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from collections.abc import Sequence
 from dataclasses import asdict
 
@@ -273,10 +274,11 @@ def _dead(args: argparse.Namespace, settings: Settings, app: App | None) -> int:
     try:
         with app.connection() as connection:
             if args.action == "list":
-                status = _dead_list(connection, pairs, args.limit, args.json)
+                status = _dead_list(connection, pairs, args.limit, args.json,
+                                    app.queue_type)
             else:
                 status = _dead_act(connection, pairs, args.action,
-                                   None if args.all else args.task_ids)
+                                   None if args.all else args.task_ids, app.queue_type)
         sys.stdout.flush()
     except BrokenPipeError:
         # The reader went away (``| head``): stop quietly, as command-line tools do. What
@@ -287,9 +289,9 @@ def _dead(args: argparse.Namespace, settings: Settings, app: App | None) -> int:
 
 
 def _dead_list(connection: Connection, pairs: list[tuple[str, str]], limit: int,
-               as_json: bool) -> int:
+               as_json: bool, queue_type: Callable[[str], str]) -> int:
     for dead_queue, _ in pairs:
-        for letter in list_dead(connection, dead_queue, limit):
+        for letter in list_dead(connection, dead_queue, limit, queue_type):
             if as_json:
                 print(json.dumps({"dead_queue": dead_queue, **asdict(letter)}))
             else:
@@ -299,7 +301,7 @@ def _dead_list(connection: Connection, pairs: list[tuple[str, str]], limit: int,
 
 
 def _dead_act(connection: Connection, pairs: list[tuple[str, str]], action: str,
-              ids: list[str] | None) -> int:
+              ids: list[str] | None, queue_type: Callable[[str], str]) -> int:
     """Requeue or purge, one line per dead letter acted on or named; FAILURE when something
     named could not be done."""
     failed = False
@@ -313,9 +315,9 @@ def _dead_act(connection: Connection, pairs: list[tuple[str, str]], action: str,
     wanted = None if ids is None else set(ids)
     for dead_queue, home in pairs:
         if action == "requeue":
-            requeue_dead(connection, dead_queue, wanted, home, report)
+            requeue_dead(connection, dead_queue, wanted, home, report, queue_type)
         else:
-            purge_dead(connection, dead_queue, wanted, report)
+            purge_dead(connection, dead_queue, wanted, report, queue_type)
     for missing in sorted((wanted or set()) - found):
         failed = True
         print(f"{', '.join(dead for dead, _ in pairs)}\t{missing}\tnot found")

@@ -117,7 +117,7 @@ class Supervisor:
             app, list(settings.queues), self.loop, self.receive, self._connected,
             self._broker_lost, self._gave_up, lambda: self.holding.window,
             settings.broker_connection_max_retries,
-            settings.broker_connection_retry_on_startup)
+            settings.broker_connection_retry_on_startup, self._acked_running)
         self.settlement = Settlement(self.current, self.link, self.loop, self.holding,
                                      self.hostname, result_retry_policy(settings), self._changed)
         self.intake = Intake(self.current, self.loop, self.holding, self.settlement,
@@ -280,6 +280,15 @@ class Supervisor:
                 key = message_key(message, leased=False)
                 if key is not None:
                     yield key, True, False, False
+
+    def _acked_running(self) -> int:
+        """How many of the window's running messages may be acked already: every child's,
+        where some task acks at start (read at each connect: a reload that changes it
+        takes effect with the next connection)."""
+        settings, tasks = self.settings, self.app.tasks.values()
+        early = not settings.acks_late or any(
+            getattr(task, "acks_late", None) is False for task in tasks)
+        return self.slots.size if early else 0
 
     @contextlib.contextmanager
     def _may_fork(self) -> Iterator[bool]:

@@ -20,12 +20,13 @@ class AmqpDriver(Driver):
         # socket.timeout instead of spinning on EAGAIN.
         connection.connection.transport.raise_on_initial_eintr = True
 
-    def send_qos(self, channel: Any, count: int) -> None:
+    def send_qos(self, channel: Any, count: int, per_consumer: bool = False) -> None:
         # global=True: RabbitMQ fixes a per-consumer limit (global=False) when the consumer
         # starts and ignores later changes; the channel-wide limit applies at once, and
-        # covers all our queues together, which is what the window means. Sent without
-        # waiting for QosOk (py-amqp drops an unawaited QosOk).
-        channel.send_method(amqp_spec.Basic.Qos, "lBb", (0, count, True))
+        # covers all our queues together, which is what the window means. Quorum queues
+        # refuse it: there the limit is each consumer's (``BrokerConsumer._per_consumer``).
+        # Sent without waiting for QosOk (py-amqp drops an unawaited QosOk).
+        channel.send_method(amqp_spec.Basic.Qos, "lBb", (0, count, not per_consumer))
 
     def fds(self) -> set[int]:
         return {self.connection.connection.sock.fileno()}

@@ -63,8 +63,9 @@ class Driver:
         """Before the first take: mark what this connection leases as the journal's (its
         owner), so that whoever finds the journal dead finds the leases (leased brokers)."""
 
-    def send_qos(self, channel: Any, count: int) -> None:
-        """Push brokers: how many unacknowledged messages it may have out with us."""
+    def send_qos(self, channel: Any, count: int, per_consumer: bool = False) -> None:
+        """Push brokers: how many unacknowledged messages it may have out with us (on the
+        channel; ``per_consumer``: each consumer started after, instead)."""
         raise NotImplementedError
 
     def tick(self) -> None:
