@@ -18,6 +18,7 @@ import pytest
 
 from tests.conftest import (
     AMQP_URL,
+    BrokerEnv,
     RedisServer,
     Worker,
     make_broker,
@@ -76,7 +77,7 @@ def test_time_limits_signals_and_the_watchdog_are_on_time_while_the_broker_hangs
         require_service(kind, SilentBroker.PORTS[kind])
     silent = SilentBroker(kind, tmp_path)
     url, freeze, cleanup = silent.url, silent.freeze, silent.close
-    broker = types.SimpleNamespace(url=url, queue=f"frozen-{tmp_path.name[-8:]}")
+    broker = BrokerEnv(kind, url, f"frozen-{tmp_path.name[-8:]}")
     notify = Notify(tmp_path / "notify.sock")
     env = worker_env(broker, tmp_path, concurrency=1, soft_time_limit=3, time_limit=4,
                      acks_on_timeout=False)      # the hard kill publishes a counted copy
@@ -142,7 +143,7 @@ def test_a_broker_unreachable_at_start_is_waited_for_with_back_off(tmp_path):
     require_service("Redis", 6379)
     server = RedisServer(tmp_path / "redis")
     server.kill()                                  # its port, with nothing on it yet
-    broker = types.SimpleNamespace(url=server.url(), queue="late")
+    broker = BrokerEnv("redis", server.url(), "late")
     notify = Notify(tmp_path / "notify.sock")
     env = worker_env(broker, tmp_path)
     env.update(NOTIFY_SOCKET=notify.path, WATCHDOG_USEC="1000000")
@@ -168,7 +169,7 @@ def test_a_broker_unreachable_at_start_is_waited_for_with_back_off(tmp_path):
 def test_a_refused_login_is_said_as_such_and_retried(tmp_path):
     require_service("RabbitMQ", 5672)
     url = AMQP_URL.replace("guest:guest", "guest:wrong-password")
-    broker = types.SimpleNamespace(url=url, queue="refused")
+    broker = BrokerEnv("amqp", url, "refused")
     worker = Worker(tmp_path, worker_env(broker, tmp_path), ["-A", "tests.apps.basic"])
     try:
         log = worker.wait_for_log(r"authentication refused .*; next try in", 60)
@@ -184,7 +185,7 @@ def test_giving_up_on_the_broker_exits_1_with_one_line_and_no_traceback(setting,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]                 # nothing listens there
-    broker = types.SimpleNamespace(url=f"redis://127.0.0.1:{port}/0", queue="nowhere")
+    broker = BrokerEnv("redis", f"redis://127.0.0.1:{port}/0", "nowhere")
     worker = Worker(tmp_path, worker_env(broker, tmp_path, **setting),
                     ["-A", "tests.apps.basic"])
     try:

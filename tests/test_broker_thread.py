@@ -57,6 +57,9 @@ class FakeSession:
     def where(self) -> str:
         return "fake://"
 
+    def server(self) -> str:
+        return ""
+
     def describe_failure(self, exc: BaseException) -> str:
         return f"unreachable ({exc})"
 

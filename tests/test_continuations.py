@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import types
 import uuid
 
 import psutil
@@ -43,7 +42,7 @@ def test_a_continuation_unsent_when_the_supervisor_died_is_sent_by_the_redeliver
         require_service("Redis", SilentBroker.PORTS[kind])
     silent = SilentBroker(kind, tmp_path)
     queue = f"cont-{uuid.uuid4().hex[:8]}"
-    env = worker_env(types.SimpleNamespace(url=silent.url, queue=queue), tmp_path,
+    env = worker_env(BrokerEnv(kind, silent.url, queue), tmp_path,
                      concurrency=2, visibility_timeout=2)
     client = App("client", broker_url=silent.direct_url, queues=[queue],
                  result_backend=env["WORKHORSE_RESULT_BACKEND"])

@@ -14,7 +14,10 @@ from workhorse.exceptions import MalformedMessage
 from workhorse.protocol import build_message
 from workhorse.queues import task_queue
 
-from .conftest import runs, wait_until
+from .conftest import BROKERS, broker_fixture, runs, wait_until
+
+#: (quorum: the same on a RabbitMQ quorum queue)
+broker = broker_fixture(*BROKERS, "quorum")
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -26,7 +29,7 @@ def publish_raw(broker, body, headers, content_type="application/json"):
     with broker.connection() as conn:
         Producer(conn).publish(body, exchange="", routing_key=broker.queue, headers=headers,
                                content_type=content_type, content_encoding="utf-8",
-                               declare=[task_queue(broker.queue)])
+                               declare=[task_queue(broker.queue, broker.queue_type)])
 
 
 def stores_of(tmp_path, task_id: str) -> list[str]:

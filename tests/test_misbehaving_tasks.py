@@ -8,8 +8,11 @@ import pytest
 
 from workhorse.exceptions import ResultEncodeError, WorkerLostError
 
-from .conftest import runs, wait_until
+from .conftest import BROKERS, broker_fixture, runs, wait_until
 from .test_delivery import dead_letters, failure
+
+#: (quorum: the same on a RabbitMQ quorum queue)
+broker = broker_fixture(*BROKERS, "quorum")
 
 pytestmark = pytest.mark.timeout(120)
 

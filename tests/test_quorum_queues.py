@@ -5,6 +5,7 @@ included, through Celery's native delayed delivery or as plain ETA messages."""
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -31,44 +32,53 @@ def unacked(queue: str) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("multiplier", [1, 3])
-def test_the_window_is_exact_on_a_quorum_queue_during_a_drain(tmp_path, start_worker,
-                                                             monkeypatch, multiplier):
-    """Late acks: RabbitMQ's own count of what the worker holds unacknowledged never passes
-    concurrency × prefetch_multiplier while 100 tasks of 0.1 s drain."""
+@pytest.fixture
+def backlog(tmp_path, monkeypatch):
+    """A quorum queue on the local RabbitMQ and ``send(n, seconds)``, which puts ``n``
+    record tasks of that many seconds on it; RabbitMQ's own count is read with rabbitmqctl."""
     if shutil.which("rabbitmqctl") is None:
         pytest.skip("rabbitmqctl is not installed: RabbitMQ's count cannot be read")
+    from .conftest import basic_client
     broker = make_broker("quorum", tmp_path)
-    try:
-        from .conftest import basic_client
-        basic = basic_client(monkeypatch, broker, "disabled", tmp_path)
-        monkeypatch.setenv("WORKHORSE_QUEUE_TYPE", "quorum")
+    basic = basic_client(monkeypatch, broker, "disabled", tmp_path)
+    monkeypatch.setenv("WORKHORSE_QUEUE_TYPE", "quorum")
+
+    def send(n: int, seconds: float) -> None:
         basic.app.configure()
         try:
-            for _ in range(100):
-                basic.record.delay(0.1)
+            for _ in range(n):
+                basic.record.delay(seconds)
         finally:
             basic.app.close()
-        seen: list[int] = []
-        stop = threading.Event()
+    yield broker, send
+    broker.cleanup()
 
-        def sample() -> None:
-            while not stop.is_set():
-                count = unacked(broker.queue)
-                if count is not None:
-                    seen.append(count)
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        start_worker(broker, concurrency=2, prefetch_multiplier=multiplier,
-                     result_backend="disabled")
-        wait_until(lambda: len(runs(tmp_path)) >= 100, 90, "100 tasks to run")
-        stop.set()
-        sampler.join(30)
-        assert len(seen) >= 3, "too few samples of RabbitMQ's count"
-        assert max(seen) <= 2 * multiplier, seen
-        assert max(seen) == 2 * multiplier, "the window was never full: a weak test"
-    finally:
-        broker.cleanup()
+
+@pytest.mark.parametrize("multiplier", [1, 3])
+def test_the_window_is_exact_on_a_quorum_queue_during_a_drain(tmp_path, start_worker,
+                                                             backlog, multiplier):
+    """Late acks: RabbitMQ's own count of what the worker holds unacknowledged never passes
+    concurrency × prefetch_multiplier while 100 tasks of 0.1 s drain."""
+    broker, send = backlog
+    send(100, 0.1)
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            count = unacked(broker.queue)
+            if count is not None:
+                seen.append(count)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start_worker(broker, concurrency=2, prefetch_multiplier=multiplier,
+                 result_backend="disabled")
+    wait_until(lambda: len(runs(tmp_path)) >= 100, 90, "100 tasks to run")
+    stop.set()
+    sampler.join(30)
+    assert len(seen) >= 3, "too few samples of RabbitMQ's count"
+    assert max(seen) <= 2 * multiplier, seen
+    assert max(seen) == 2 * multiplier, "the window was never full: a weak test"
 
 
 @pytest.fixture(params=["direct", "topic"])
@@ -133,5 +143,58 @@ def test_a_worker_declaring_classic_says_once_that_the_queue_is_quorum(tmp_path,
         log = worker.wait_for_log(f"queue {name} is a quorum queue on RabbitMQ, not classic")
         assert log.count("is a quorum queue on RabbitMQ") == 1
         assert "Traceback" not in log
+    finally:
+        broker.cleanup()
+
+
+def test_the_window_follows_the_pool_on_a_quorum_queue(tmp_path, start_worker, backlog):
+    """RabbitMQ fixes a consumer's prefetch when it starts: after SIGTTOU shrinks the pool
+    from 2 children to 1 (window 6 to 3), the consumers start again with the new share, so
+    once RabbitMQ's unacknowledged count has come down to 3 it never passes 3 again."""
+    broker, send = backlog
+    send(100, 0.3)
+    worker = start_worker(broker, concurrency=2, prefetch_multiplier=3,
+                          result_backend="disabled")
+    wait_until(lambda: unacked(broker.queue) == 6, 30, "the window of 6 to fill")
+    worker.signal(signal.SIGTTOU)
+    worker.wait_for_log(r"pool resized to 1 children, prefetch window 3")
+    wait_until(lambda: (unacked(broker.queue) or 0) <= 3, 30, "the held to drain to 3")
+    seen: list[int] = []
+    until = len(runs(tmp_path)) + 15          # 4.5 s of one child
+    deadline = time.monotonic() + 30
+    while len(runs(tmp_path)) < until and time.monotonic() < deadline:
+        count = unacked(broker.queue)
+        if count is not None:
+            seen.append(count)
+    assert len(seen) >= 3 and max(seen) <= 3, seen
+    assert max(seen) == 3, "the smaller window was never full: a weak test"
+
+
+@pytest.mark.parametrize(("arguments", "warning"), [
+    ({"x-delivery-limit": 5}, "has x-delivery-limit = 5 and no dead-letter exchange"),
+    ({"x-delivery-limit": 5, "x-dead-letter-exchange": "parking"},
+     r"has x-delivery-limit = 5, below workhorse's max_held_losses \(20\)"),
+])
+def test_a_delivery_limit_that_could_drop_or_dead_letter_early_is_warned_about(
+        tmp_path, start_worker, arguments, warning):
+    from kombu import Connection, Queue
+    broker = make_broker("quorum", tmp_path)
+    try:
+        with Connection(broker.url) as connection:
+            Queue(broker.queue, routing_key=broker.queue, durable=True,
+                  queue_arguments={"x-queue-type": "quorum", **arguments}
+                  )(connection.default_channel).declare()
+        worker = start_worker(broker)
+        log = worker.wait_for_log(f"quorum queue {broker.queue} {warning}")
+        assert log.count("x-delivery-limit = 5") == 1
+    finally:
+        broker.cleanup()
+
+
+def test_a_quorum_queue_without_a_delivery_limit_is_not_warned_about(tmp_path, start_worker):
+    broker = make_broker("quorum", tmp_path)
+    try:
+        worker = start_worker(broker)
+        assert "x-delivery-limit" not in worker.log()
     finally:
         broker.cleanup()

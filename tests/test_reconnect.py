@@ -81,7 +81,7 @@ def _close_rabbitmq_connections() -> None:
                    capture_output=True, timeout=60)
 
 
-@pytest.mark.parametrize("broker", ["amqp"], indirect=True)
+@pytest.mark.parametrize("broker", ["amqp", "quorum"], indirect=True)
 def test_closed_rabbitmq_connections_are_reconnected_and_nothing_runs_twice(
         broker, client, start_worker, tmp_path):
     """RabbitMQ takes back what the closed connection held (running tasks included) and

@@ -27,6 +27,8 @@ from .task import Task, resolve_times
 from .transport import RABBITMQ as RABBITMQ_TRANSPORT
 from .transport import RABBITMQ_TLS as RABBITMQ_TLS_TRANSPORT
 from .transport import REDIS as REDIS_TRANSPORT
+from .transport.failover import FailoverConnection
+from .urls import alternatives
 from .transport.rabbitmq import BrokerBlocked
 
 if TYPE_CHECKING:
@@ -153,7 +155,7 @@ class App:
                 return str(celery)
         return str(settings.queue_type)
 
-    def connection(self, heartbeat: float = 0) -> Connection:
+    def connection(self, heartbeat: float = 0) -> FailoverConnection:
         """A new, unconnected kombu Connection to the configured broker. ``heartbeat``
         (RabbitMQ): only for a connection whose owner calls ``heartbeat_check``."""
         settings = self.settings
@@ -164,7 +166,7 @@ class App:
             # RabbitMQ: publish returns once the broker has the message (publisher
             # confirms), so "sent, then ack the original" can never lose it.
             "confirm_publish": True}
-        scheme = url.split("://", 1)[0]
+        scheme = alternatives(url)[0].split("://", 1)[0]
         if scheme in ("redis", "rediss"):
             # kombu's Redis transport with renewable leases and lease-checked acks.
             options["transport"] = REDIS_TRANSPORT
@@ -183,8 +185,9 @@ class App:
             # (memory or disk alarm) fails at once instead of waiting for ever.
             options["transport"] = (RABBITMQ_TLS_TRANSPORT if scheme == "amqps"
                                     else RABBITMQ_TRANSPORT)
-        return Connection(url, transport_options=transport_options, heartbeat=heartbeat,
-                          connect_timeout=BROKER_TIMEOUT, **options)
+        return FailoverConnection(url, transport_options=transport_options,
+                                  heartbeat=heartbeat, connect_timeout=BROKER_TIMEOUT,
+                                  **options)
 
     def send_task(self, name: str, args: Sequence[Any] | None = None,
                   kwargs: Mapping[str, Any] | None = None, *,

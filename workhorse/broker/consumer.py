@@ -120,11 +120,13 @@ class BrokerConsumer:
         own count says it may take (brokers we poll ask it before each fetch);
         ``acked_running``: how many of the window's running messages may be acked already
         (acked at start), which a per-consumer prefetch must leave room for. Raises when
-        the broker cannot be reached (after ``retries`` quick retries); nothing is kept of
-        a connection that failed half-way, so the next attempt starts afresh."""
+        the broker cannot be reached (after ``retries`` quick retries of each URL of a
+        failover list); nothing is kept of a connection that failed half-way, so the next
+        attempt starts afresh."""
         connection = self.app.connection(heartbeat=AMQP_HEARTBEAT)
         try:
-            connection.ensure_connection(max_retries=retries, interval_start=0.2,
+            connection.ensure_connection(max_retries=connection.retries(retries + 1),
+                                         interval_start=0.2,
                                          interval_step=0.5)
             channel = connection.channel()
             driver = driver_for(connection, channel, room)
@@ -239,6 +241,8 @@ class BrokerConsumer:
         declare_delayed_delivery(connection, "quorum")
         bind_delayed_delivery(connection, name, name)
         limit = probe_argument(connection, name, "x-delivery-limit") if existed else None
+        if isinstance(limit, str) and limit.isdigit():
+            limit = int(limit)      # (a quorum queue's refusal says '5', untyped)
         if isinstance(limit, int) and limit >= 0:
             target = rabbitmq_dead_letter_target(connection, name)
             backstop = self.app.settings.max_held_losses
@@ -260,6 +264,13 @@ class BrokerConsumer:
     def where(self) -> str:
         """The broker's URL as logs show it (no password)."""
         return redact(self.app.settings.broker_url)
+
+    def server(self) -> str:
+        """The server of a failover list this is connected to (host:port), or ''."""
+        connection = self.connection
+        if connection is None or not connection.alt:
+            return ""
+        return f"{connection.hostname}:{connection.port}"
 
     def describe_failure(self, exc: BaseException) -> str:
         """Why connecting failed, in the words an operator needs: a refused login is not
@@ -451,6 +462,26 @@ class BrokerConsumer:
             self.paused = False
             for consumer in self.consumers:
                 self._guarded(consumer.consume)
+
+    def resize(self, prefetch_count: int, acked_running: int) -> None:
+        """The window changed (reload, TTIN, TTOU): on a per-consumer prefetch, which
+        RabbitMQ fixes when a consumer starts, the consumers start again with their new
+        share (the channel-wide credit follows ``set_credit`` instead). What they were sent
+        stays theirs to ack; until it is fewer than the new share, nothing more comes."""
+        driver = self.driver
+        if not self.per_consumer or driver is None or not self.consuming:
+            return
+        share = self._per_consumer(prefetch_count - acked_running)
+        if share == self.per_consumer:
+            return
+        self.per_consumer = share
+        self._guarded(partial(driver.send_qos, per_consumer=True), self.consumers[0].channel,
+                      share)
+        if not self.paused:
+            for consumer in self.consumers:
+                self._guarded(consumer.cancel)
+                self._guarded(consumer.consume)
+        self._pace()
 
     def _pace(self) -> None:
         """Per-consumer prefetch where the window is smaller than what the consumers could

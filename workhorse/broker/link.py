@@ -62,6 +62,8 @@ class BrokerLink:
         self.takes_here = False     # SQLite: acks and takes on this thread (_take_here)
         self.received = 0       # messages handed to the loop so far (for Room)
         self._credit = -1
+        self.prefetch, self.acked_running = prefetch, acked_running
+        self._window = -1           # the window the consumer was last told
         self.loop = loop
         #: Acks not yet handed to the broker thread, and whether one of them is urgent
         #: (an ack at start: its task waits for it). See ``ack``.
@@ -183,6 +185,12 @@ class BrokerLink:
             self.flush(here=False)
 
     def set_credit(self, count: int) -> None:
+        window = self.prefetch()
+        if window != self._window and self.push:
+            # (the pool's size moves the window with it, and with it the running that
+            # may be acked already)
+            self._window, acked = window, self.acked_running()
+            self.submit(lambda c: c.resize(window, acked), "resizing the prefetch window")
         if count != self._credit:
             self._credit = count
             self.submit(lambda c: c.set_credit(count), "setting the prefetch credit")

@@ -418,8 +418,12 @@ class BrokerThread:
         self.loop.call_later(LASTED, lambda: self._lasted(connected_at))
         self._start_housekeeping()
         self.post(lambda: self.on_connected(consumer, True))
+        server = consumer.server()
         if not first:       # (quietly after a loss that was said quietly)
-            (log.debug if said(self._lost_to) else log.info)("broker connection restored")
+            (log.debug if said(self._lost_to) else log.info)(
+                "broker connection restored%s", f" (to {server})" if server else "")
+        elif server:
+            log.info("broker: connected to %s", server)
 
     def _lasted(self, connected_at: float) -> None:
         """A connection that lasted a while starts the back-off over."""

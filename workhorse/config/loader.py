@@ -214,7 +214,9 @@ def resolve(layers: list[dict[str, Raw]], files: tuple[Path, ...] = ()) -> Setti
             # env and cli sources already name the variable or flag; files need the key
             prefix = raw.source if raw.source.startswith(("env ", "cli ")) else \
                 f"{raw.source} {setting.name}"
-            raise ConfigError(f"{prefix} = {raw.value!r}: {exc}") from None
+            # (a URL's password is never echoed)
+            shown = redact(raw.value) if isinstance(raw.value, str) else raw.value
+            raise ConfigError(f"{prefix} = {shown!r}: {exc}") from None
         sources[setting.name] = raw.source
     _check_together(values, sources)
     return Settings(values, sources, files)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..urls import alternatives, redact
 from . import types as t
 
 SECTIONS = ("worker", "broker", "results", "tasks")
@@ -68,6 +69,22 @@ def _check_url(schemes: tuple[str, ...], extra: str = "") -> Callable[[str], str
             return None
         return f"expected a URL with scheme {', '.join(schemes)}{extra}"
     return check
+
+
+def _check_broker_url(value: str) -> str | None:
+    """A broker URL, or a failover list of them (``amqp://h1//;amqp://h2//``): one scheme,
+    and only for brokers with more than one server."""
+    urls = alternatives(value)
+    check = _check_url(BROKER_SCHEMES)
+    for url in urls or [value]:
+        if (problem := check(url)) is not None:
+            return problem if len(urls) < 2 else f"{problem} (in {redact(url)!r})"
+    schemes = {url.split("://", 1)[0] for url in urls}
+    if len(urls) > 1 and len(schemes) > 1:
+        return f"the URLs of a failover list share one scheme, not {', '.join(sorted(schemes))}"
+    if len(urls) > 1 and schemes & {"sqlite", "memory"}:
+        return "a failover list (url;url) is for RabbitMQ or Redis servers, not sqlite or memory"
+    return None
 
 
 def _check_backend(value: str) -> str | None:
@@ -154,9 +171,11 @@ SETTINGS: tuple[Setting, ...] = (
             default_doc="$STATE_DIRECTORY (set by systemd), else $XDG_STATE_HOME/workhorse, "
                         "else ~/.local/state/workhorse", reload=False),
     # [broker]
-    Setting("broker_url", "broker", t.text(_check_url(BROKER_SCHEMES), "a broker URL"),
+    Setting("broker_url", "broker", t.text(_check_broker_url, "a broker URL"),
             lambda r: f"sqlite:///{r['state_dir'] / 'broker.sqlite3'}",
-            "The message broker: sqlite:///<path> (embedded), redis://, amqp://.",
+            "The message broker: sqlite:///<path> (embedded), redis://, amqp://. For a "
+            "cluster, several URLs of one scheme separated by ';' (amqp://h1//;amqp://h2//): "
+            "each (re)connect tries them in that order.",
             default_doc="sqlite:///<state_dir>/broker.sqlite3", cli=("-b",), reload=False),
     Setting("visibility_timeout", "broker", t.seconds(positive=True), 30.0,
             "How long a message taken but not acknowledged stays leased (SQLite, Redis) before "

@@ -72,7 +72,7 @@ class ControlThread(ServiceThread):
 
     def serve(self) -> None:
         with self.app.connection() as connection:
-            connection.ensure_connection(max_retries=1)
+            connection.ensure_connection(max_retries=connection.retries(2))
             channel = connection.channel()
             mailbox = self.mailbox(connection)
             node = _Node(self, mailbox, channel)

@@ -88,7 +88,7 @@ class EventThread(ServiceThread):
     # ------------------------------------------------------------------ the thread
     def serve(self) -> None:
         with self.app.connection() as connection:
-            connection.ensure_connection(max_retries=1)
+            connection.ensure_connection(max_retries=connection.retries(2))
             fanout = connection.transport.driver_type in ("redis", "sqlite")
             exchange = Exchange(EXCHANGE, type="fanout" if fanout else "topic",
                                 durable=True, auto_delete=False)
