@@ -19,6 +19,10 @@ celery_app.conf.update(
     task_ignore_result=not os.environ.get("BENCH_RESULTS"),
     task_acks_late=os.environ.get("BENCH_ACKS_LATE", "true") == "true",
     worker_prefetch_multiplier=4, broker_connection_retry_on_startup=True,
-    worker_hijack_root_logger=False)
+    worker_hijack_root_logger=False,
+    # a quorum queue (benchmarks/throughput.py --broker quorum): Celery 5.5+ declares it so
+    # and consumes it with a per-consumer prefetch
+    task_default_queue_type=os.environ.get("BENCH_QUEUE_TYPE", "classic"),
+    task_create_missing_queue_type=os.environ.get("BENCH_QUEUE_TYPE", "classic"))
 for _name, _body in TASKS.items():
     celery_app.task(name=_name)(_body)

@@ -10,6 +10,7 @@ second on the same broker, in one run.
                                                      # benchmarks/one_thread.py)
     python benchmarks/throughput.py --against ../base  # also workhorse as another checkout
                                                        # has it (before/after, one run)
+    python benchmarks/throughput.py --broker quorum    # RabbitMQ with quorum queues
 
 Every worker gets the same pre-filled queue (Celery's protocol; Dramatiq's own for
 Dramatiq), concurrency and prefetch multiplier 4, ack mode (late acks unless
@@ -25,7 +26,11 @@ and noisy: runs are interleaved, medians of --repeat are printed, and the ratios
 
 Dramatiq runs as ``dramatiq --processes <concurrency> --threads 1`` with its default
 middleware and prefetch; it is skipped where it is not installed (pip install
-'dramatiq[redis,rabbitmq]') and on SQLite, which it has no broker for.
+'dramatiq[redis,rabbitmq]'), on SQLite, which it has no broker for, and on quorum queues,
+which it does not declare. ``quorum`` is the RabbitMQ server with the run's queue a quorum
+queue: workhorse with ``queue_type = quorum``, Celery with ``task_default_queue_type =
+"quorum"`` (Celery 5.5+ then gives each consumer its own prefetch); --against checkouts
+are skipped there.
 """
 from __future__ import annotations
 
@@ -61,9 +66,12 @@ BROKERS = {
     "sqlite": None,   # a file in the run's temp dir
     "redis": "redis://127.0.0.1:6379/3",
     "amqp": "amqp://guest:guest@127.0.0.1:5672//",
+    "quorum": "amqp://guest:guest@127.0.0.1:5672//",     # the run's queue a quorum queue
 }
 #: Where --results stores them: the SQLite file beside the SQLite broker, else Redis.
 RESULTS = {BROKERS[name]: "redis://127.0.0.1:6379/4" for name in ("redis", "amqp")}
+#: The queue type each broker's run declares its queue with.
+QUEUE_TYPES = {"quorum": "quorum"}
 TASK_SETS = {"noop": ("bench.noop", []), "sleep": ("bench.sleep", [0.01])}
 #: --against: worker kinds that run another checkout's workhorse (kind -> its directory).
 CHECKOUTS: dict[str, Path] = {}
@@ -90,11 +98,11 @@ class Run:
 
 
 def fill(url: str, queue: str, task: str, args: list, count: int,
-         results: bool = False) -> None:
+         results: bool = False, queue_type: str = "classic") -> None:
     """``count`` messages in Celery's protocol v2, as a Celery client sends them; their
     ``ignore_result`` header is set unless ``results`` (both workers honour it)."""
     with Connection(url) as conn:
-        ensure_queue(conn, queue)
+        ensure_queue(conn, queue, queue_type)
         producer = Producer(conn)
         for _ in range(count):
             msg = build_message(task, str(uuid.uuid4()), args, {}, ignore_result=not results)
@@ -176,7 +184,8 @@ def measure(kind: str, broker: str, url: str, task_set: str, count: int, concurr
     if kind == "dramatiq":
         fill_dramatiq(url, queue, task, args, count)
     else:
-        fill(url, queue, task, args, count, results=results)
+        fill(url, queue, task, args, count, results=results,
+             queue_type=QUEUE_TYPES.get(broker, "classic"))
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("WORKHORSE_", "CELERY_", "DRAMATIQ_"))}
     root = CHECKOUTS.get(kind, ROOT)
@@ -185,7 +194,9 @@ def measure(kind: str, broker: str, url: str, task_set: str, count: int, concurr
                WORKHORSE_STATE_DIR=str(workdir / "state"), WORKHORSE_PREFETCH_MULTIPLIER="4",
                WORKHORSE_ACKS_LATE=str(acks_late).lower(),
                BENCH_ACKS_LATE=str(acks_late).lower(),
-               CELERY_BROKER_URL=url, DRAMATIQ_BROKER_URL=url)
+               CELERY_BROKER_URL=url, DRAMATIQ_BROKER_URL=url,
+               WORKHORSE_QUEUE_TYPE=QUEUE_TYPES.get(broker, "classic"),
+               BENCH_QUEUE_TYPE=QUEUE_TYPES.get(broker, "classic"))
     if results:
         env["WORKHORSE_RESULT_BACKEND"] = results_url(broker, workdir)
         env["BENCH_RESULTS"] = results_url(broker, workdir).replace("sqlite:", "db+sqlite:")
@@ -246,7 +257,7 @@ def _cpu(process: psutil.Process) -> float:
 
 
 #: The broker servers' process names, for their CPU per task.
-SERVERS = {"redis": "redis-server", "amqp": "beam.smp"}
+SERVERS = {"redis": "redis-server", "amqp": "beam.smp", "quorum": "beam.smp"}
 
 
 def server_cpu(broker: str) -> float:
@@ -344,11 +355,12 @@ def main() -> int:
             if not celery:
                 print("(Celery is left out on SQLite: its SQLite result store needs "
                       "SQLAlchemy, pip install sqlalchemy)")
-            kinds = ["workhorse", *CHECKOUTS] + (
+            kinds = ["workhorse", *([] if broker in QUEUE_TYPES else CHECKOUTS)] + (
                 ["workhorse+metrics"] if args.metrics else []) + (
                 ["workhorse+one-thread"] if args.one_thread else []) + (
                 ["celery"] if celery else []) + (
-                ["dramatiq"] if dramatiq and broker != "sqlite" and not args.results else [])
+                ["dramatiq"] if dramatiq and broker in ("redis", "amqp") and not args.results
+                else [])
             if args.only:
                 kinds = [k for k in kinds if re.split("[+@]", k)[0] in args.only]
             for task_set in sets:
