@@ -29,7 +29,7 @@ from kombu import Connection, Producer  # noqa: E402
 
 import workhorse  # noqa: E402,F401
 from workhorse.protocol import build_message  # noqa: E402
-from workhorse.queues import ensure_queue  # noqa: E402
+from workhorse.broker.queues import ensure_queue  # noqa: E402
 
 STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 

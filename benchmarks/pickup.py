@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import BROKERS, ROOT, command, drop
 
 from workhorse.protocol import build_message
-from workhorse.queues import ensure_queue
+from workhorse.broker.queues import ensure_queue
 
 IDLE_SECONDS = 10.0
 

@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 
 import workhorse  # noqa: E402,F401 - registers sqlite://
 from workhorse.protocol import build_message  # noqa: E402
-from workhorse.queues import ensure_queue  # noqa: E402
+from workhorse.broker.queues import ensure_queue  # noqa: E402
 
 BROKERS = {
     "sqlite": None,   # a file in the run's temp dir

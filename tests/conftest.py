@@ -80,7 +80,7 @@ class BrokerEnv:
 
     def queue_size(self, name: str | None = None) -> int:
         """Messages ready in a queue (not the ones held unacknowledged by a consumer)."""
-        from workhorse.queues import ensure_queue
+        from workhorse.broker.queues import ensure_queue
         with self.connection() as conn:
             queue = ensure_queue(conn, name or self.queue, self.queue_type)(conn.default_channel)
             return queue.queue_declare(passive=self.rabbitmq).message_count
@@ -89,7 +89,7 @@ class BrokerEnv:
         """Take (and ack) every message in a queue: [(headers, body bytes)].
 
         (py-amqp hands over utf-8 bodies already decoded to str; the bytes are the same.)"""
-        from workhorse.queues import ensure_queue
+        from workhorse.broker.queues import ensure_queue
         out = []
         with self.connection() as conn:
             q = ensure_queue(conn, name, self.queue_type)(conn.default_channel)
@@ -104,7 +104,7 @@ class BrokerEnv:
         return out
 
     def cleanup(self) -> None:
-        from workhorse.queues import task_queue
+        from workhorse.broker.queues import task_queue
         try:
             with self.connection() as conn:
                 for name in (self.queue, self.queue + ".dead", *self.extra_queues):

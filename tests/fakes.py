@@ -147,6 +147,7 @@ class FakeBroker:
     fail: BaseException | None = None
     leased: bool = True
     lost: set[str] = field(default_factory=set)      # task ids whose lease is gone
+    delayable: frozenset[str] = frozenset()
 
     def _do(self, verb: str, message: Any) -> None:
         if self.fail is not None:
@@ -164,6 +165,9 @@ class FakeBroker:
 
     def hand_back(self, queue: str, message: Any) -> None:
         self._do("hand_back", message)
+
+    def hand_back_later(self, queue: str, message: Any, seconds: int) -> None:
+        self._do(f"hand_back_later:{seconds}", message)
 
     def dead_letter(self, queue: str, message: Any, reason: str, task_id: str | None,
                     worker: str, *, acked: bool, or_requeue: bool = False) -> None:

@@ -18,7 +18,7 @@ from workhorse.broker.consumer import (
     DEAD_WORKER_HEADER,
 )
 from workhorse.protocol import DELIVERIES_HEADER
-from workhorse.queues import ensure_queue
+from workhorse.broker.queues import ensure_queue
 
 from .conftest import ROOT, wait_until, worker_env
 

@@ -12,7 +12,7 @@ import pytest
 from workhorse import App
 from workhorse.config import ConfigError, load_settings
 from workhorse.transport import RABBITMQ
-from workhorse.transport.failover import FailoverConnection
+from workhorse.broker.connection import FailoverConnection
 from workhorse.urls import alternatives, redact
 
 from .conftest import AMQP_URL, BrokerEnv, require_service, wait_until

@@ -11,7 +11,7 @@ import pytest
 import redis
 from kombu import Connection, Consumer, Producer
 
-from workhorse.queues import ensure_queue
+from workhorse.broker.queues import ensure_queue
 from workhorse.transport import REDIS as REDIS_TRANSPORT
 
 from .conftest import REDIS_URL, require_service, runs, wait_until

@@ -12,7 +12,7 @@ from kombu import Producer
 from workhorse.broker.consumer import DEAD_REASON_HEADER, DEAD_TASK_HEADER
 from workhorse.exceptions import MalformedMessage
 from workhorse.protocol import build_message
-from workhorse.queues import task_queue
+from workhorse.broker.queues import task_queue
 
 from .conftest import BROKERS, broker_fixture, runs, wait_until
 

@@ -132,7 +132,7 @@ def test_a_celery_client_sends_tasks_and_countdowns_to_a_quorum_queue(celery_quo
 def test_a_worker_declaring_classic_says_once_that_the_queue_is_quorum(tmp_path,
                                                                         start_worker):
     from kombu import Connection
-    from workhorse.queues import task_queue
+    from workhorse.broker.queues import task_queue
     broker = make_broker("quorum", tmp_path)
     name = f"t-{uuid.uuid4().hex[:10]}"
     broker.queue = name
@@ -198,3 +198,29 @@ def test_a_quorum_queue_without_a_delivery_limit_is_not_warned_about(tmp_path, s
         assert "x-delivery-limit" not in worker.log()
     finally:
         broker.cleanup()
+
+
+def test_a_far_countdown_leaves_the_window_to_the_tasks_sent_after_it(tmp_path, start_worker,
+                                                                       backlog):
+    """A quorum queue's consumers have a fixed prefetch: a countdown task held by the
+    worker would fill a window of 1 for its whole wait. One due in 12 s goes back through
+    RabbitMQ's delay levels instead: the tasks sent after it run at once, and it runs at
+    its time, once."""
+    broker, _ = backlog
+    from tests.apps import basic
+    start_worker(broker, concurrency=1, prefetch_multiplier=1, result_backend="disabled")
+    basic.app.configure()
+    try:
+        sent = time.monotonic()
+        later = basic.record.apply_async(countdown=12).id
+        now = [basic.record.delay().id for _ in range(3)]
+    finally:
+        basic.app.close()
+
+    def ran() -> list[str]:
+        return [task_id for _, task_id, _ in runs(tmp_path)]
+    wait_until(lambda: set(now) <= set(ran()), 8, "the tasks sent after it to run")
+    assert later not in ran()
+    wait_until(lambda: later in ran(), 40, "the countdown task to run")
+    assert time.monotonic() - sent >= 11.9
+    assert ran().count(later) == 1

@@ -9,7 +9,7 @@ from kombu import Exchange, Producer, Queue
 from workhorse.broker.consumer import DEAD_REASON_HEADER, DEAD_TASK_HEADER
 from workhorse.broker.counting import RabbitMQ, earlier_deliveries, parse_version
 from workhorse.exceptions import NotRegistered
-from workhorse.queues import parse_refusal, rabbitmq_dead_letter_target
+from workhorse.broker.queues import parse_refusal, rabbitmq_dead_letter_target
 
 from .conftest import make_broker, wait_until
 

@@ -1,6 +1,8 @@
 """Tier 1: the supervisor's parts against fakes (no fork, no broker, no sleeping)."""
 from __future__ import annotations
 
+from datetime import timedelta
+
 import signal
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -303,6 +305,26 @@ def test_past_max_scheduled_eta_messages_are_handed_back_and_fetching_pauses():
     assert not holding.has_room(clock())
     clock.advance(loop, 1.1)
     assert holding.has_room(clock())
+
+
+def test_a_far_eta_message_on_a_delayable_queue_goes_back_through_the_broker():
+    """A quorum queue's consumers have a fixed prefetch: an ETA message held here would
+    take a place in it until due. One 10 s or more away goes back through the broker's
+    delay levels (rounded up: never early); a nearer one, or one on a queue the broker
+    cannot delay, is held as before."""
+    clock = FakeClock()
+    intake, _, broker, _, holding = make_intake(clock)
+    broker.delayable = frozenset({"q"})
+    far = message(eta=(clock.now() + timedelta(seconds=29.2)).isoformat())
+    near = message(eta=(clock.now() + timedelta(seconds=5)).isoformat())
+    elsewhere = message(eta=(clock.now() + timedelta(seconds=60)).isoformat())
+    intake.accept("q", far, 1)
+    intake.accept("q", near, 1)
+    intake.accept("classic", elsewhere, 1)
+    assert broker.calls == [("hand_back_later:30", far.headers["id"])]
+    assert sorted(d.message.headers["id"] for d in holding.scheduled) == sorted(
+        [near.headers["id"], elsewhere.headers["id"]])
+    assert not any(d.message is far for d in holding.all())
 
 
 # ---------------------------------------------------------------------- leases

@@ -21,7 +21,7 @@ from workhorse.broker.drivers import sqlite as sqlite_driver
 from workhorse.broker.link import BrokerLink
 from workhorse.daemon.loop import Loop
 from workhorse.protocol import build_message, dead_letter_queue
-from workhorse.queues import ensure_queue
+from workhorse.broker.queues import ensure_queue
 from workhorse.transport.store import Store, StoreBusy
 
 from .conftest import wait_until

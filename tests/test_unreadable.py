@@ -12,7 +12,7 @@ import redis
 from kombu import Connection, Consumer, Producer
 
 from workhorse.protocol import DEAD_QUEUE_HEADER, DEAD_REASON_HEADER
-from workhorse.queues import ensure_queue
+from workhorse.broker.queues import ensure_queue
 from workhorse.transport import REDIS as REDIS_TRANSPORT
 from workhorse.transport import unreadable
 from workhorse.transport.redis import _BURY_NEXT

@@ -12,7 +12,7 @@ import pytest
 from kombu import Producer
 
 from workhorse import TimeoutError as ResultTimeout
-from workhorse.queues import task_queue
+from workhorse.broker.queues import task_queue
 from workhorse.broker.consumer import (
     DEAD_AT_HEADER,
     DEAD_QUEUE_HEADER,

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import ssl
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -21,14 +20,10 @@ from .config.types import QUEUE_TYPES
 from .config.task_options import invalid
 from .forksafe import abandon
 from .protocol import DEAD_SUFFIX, build_message
-from .queues import ensure_queue
+from .broker.connection import BROKER_TIMEOUT, FailoverConnection, open_connection
+from .broker.queues import ensure_queue
 from .result import AsyncResult, GroupResult, ResultCache
 from .task import Task, resolve_times
-from .transport import RABBITMQ as RABBITMQ_TRANSPORT
-from .transport import RABBITMQ_TLS as RABBITMQ_TLS_TRANSPORT
-from .transport import REDIS as REDIS_TRANSPORT
-from .transport.failover import FailoverConnection
-from .urls import alternatives
 from .transport.rabbitmq import BrokerBlocked
 
 if TYPE_CHECKING:
@@ -38,8 +33,6 @@ __all__ = ["App", "BROKER_TIMEOUT", "PUBLISH_RETRY_POLICY", "SEND_OPTIONS", "cur
            "result_retry_policy"]
 
 _SETTING_NAMES = frozenset(s.name for s in SETTINGS)
-#: Seconds a broker call may wait on a silent server (connect, read, publish confirm).
-BROKER_TIMEOUT = 10.0
 
 #: How hard a producer tries before ``apply_async`` raises: the caller decides what a
 #: broker outage means for its request, so we do not hang it for long.
@@ -158,36 +151,7 @@ class App:
     def connection(self, heartbeat: float = 0) -> FailoverConnection:
         """A new, unconnected kombu Connection to the configured broker. ``heartbeat``
         (RabbitMQ): only for a connection whose owner calls ``heartbeat_check``."""
-        settings = self.settings
-        url = settings.broker_url
-        options: dict[str, Any] = {}
-        transport_options: dict[str, Any] = {
-            "visibility_timeout": settings.visibility_timeout,
-            # RabbitMQ: publish returns once the broker has the message (publisher
-            # confirms), so "sent, then ack the original" can never lose it.
-            "confirm_publish": True}
-        scheme = alternatives(url)[0].split("://", 1)[0]
-        if scheme in ("redis", "rediss"):
-            # kombu's Redis transport with renewable leases and lease-checked acks.
-            options["transport"] = REDIS_TRANSPORT
-            transport_options["foreign_visibility_timeout"] = settings.celery_visibility_timeout
-            # A silent server (a network partition) fails a call instead of blocking the
-            # worker's loop until TCP gives up.
-            transport_options.update(socket_timeout=BROKER_TIMEOUT,
-                                     socket_connect_timeout=BROKER_TIMEOUT,
-                                     socket_keepalive=True)
-            if scheme == "rediss":
-                # kombu turns on TLS for the scheme name, which a transport class hides;
-                # verify the server's certificate (kombu would not).
-                options["ssl"] = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
-        elif scheme in ("amqp", "pyamqp", "amqps"):
-            # kombu's py-amqp transport, but a publish on a connection RabbitMQ blocks
-            # (memory or disk alarm) fails at once instead of waiting for ever.
-            options["transport"] = (RABBITMQ_TLS_TRANSPORT if scheme == "amqps"
-                                    else RABBITMQ_TRANSPORT)
-        return FailoverConnection(url, transport_options=transport_options,
-                                  heartbeat=heartbeat, connect_timeout=BROKER_TIMEOUT,
-                                  **options)
+        return open_connection(self.settings, heartbeat)
 
     def send_task(self, name: str, args: Sequence[Any] | None = None,
                   kwargs: Mapping[str, Any] | None = None, *,

@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,7 +38,8 @@ import psutil
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import AMQP_URL, BrokerEnv, RedisServer, Worker, worker_env  # noqa: E402
+from tests.conftest import BrokerEnv, RedisServer, Worker, worker_env  # noqa: E402
+from tests.rabbitmq_cluster import Cluster  # noqa: E402
 
 #: The kinds of event, as the schedule names them.
 CHILD, SUPERVISOR, BROKER = "kill a child", "SIGKILL a supervisor", "restart the broker"
@@ -88,6 +87,7 @@ class Chaos:
         self.log = workdir / "chaos.log"
         self.log.touch()
         self.redis: RedisServer | None = None
+        self.rabbitmq: Cluster | None = None
         queue = f"chaos-{uuid.uuid4().hex[:8]}"
         if kind == "sqlite":
             url = f"sqlite:///{workdir / 'broker.sqlite3'}"
@@ -95,7 +95,9 @@ class Chaos:
             self.redis = RedisServer(workdir / "redis-data")
             url = self.redis.url()
         else:
-            url = AMQP_URL
+            # A RabbitMQ node of the run's own, which it may restart (never the shared one)
+            self.rabbitmq = Cluster(workdir / "rabbitmq", size=1).up()
+            url = self.rabbitmq.nodes[0].url
         self.broker = BrokerEnv(kind, url, queue)
         self.workers: list[Worker] = []
         self.killed: dict[int, float] = {}          # child pid -> when it was killed
@@ -162,13 +164,11 @@ class Chaos:
             self.redis.kill()
             self.redis.start()
             return "redis-server killed and started again"
-        if self.kind == "amqp":
-            ctl = shutil.which("rabbitmqctl")
-            if ctl is None:
-                raise RuntimeError("rabbitmqctl is needed to restart RabbitMQ")
-            subprocess.run([ctl, "stop_app"], check=True, capture_output=True, timeout=120)
-            subprocess.run([ctl, "start_app"], check=True, capture_output=True, timeout=120)
-            return "rabbitmqctl stop_app, start_app"
+        if self.rabbitmq is not None:
+            node = self.rabbitmq.nodes[0]
+            self.rabbitmq.ctl(node, "stop_app")
+            self.rabbitmq.ctl(node, "start_app")
+            return f"rabbitmqctl -n {node.name} stop_app, start_app (the run's own node)"
         return "SQLite has no server to restart"
 
     # -- load
@@ -225,6 +225,8 @@ class Chaos:
             self.broker.cleanup()
             if self.redis is not None:
                 self.redis.kill()
+            if self.rabbitmq is not None:
+                self.rabbitmq.down()
             os.environ.clear()
             os.environ.update(saved_environ)
             basic.app.configure()

@@ -23,12 +23,16 @@ from typing import Any
 from kombu import Connection, Consumer, Producer, Queue
 from kombu.message import Message
 
-from ..app import BROKER_TIMEOUT, App
-from ..queues import (
+from ..app import App
+from .connection import BROKER_TIMEOUT
+from .queues import (
+    DELAY_LEVELS,
     DeadLetterTarget,
     bind_delayed_delivery,
     declare_delayed_delivery,
     declared_type,
+    delay_level,
+    delayed_routing_key,
     ensure_queue,
     probe_argument,
     rabbitmq_dead_letter_target,
@@ -222,7 +226,9 @@ class BrokerConsumer:
         RabbitMQ its type, which a queue that exists keeps (said once if it differs)."""
         wanted = self.app.queue_type(name)
         queue = ensure_queue(connection, name, wanted)
-        if self.queue_types.get(name) is None and connection.transport.driver_type == "amqp":
+        if connection.transport.driver_type != "amqp":
+            return queue
+        if self.queue_types.get(name) is None:
             existed = getattr(queue, "no_declare", False)
             actual = declared_type(connection, name) if existed else wanted
             if actual != wanted:
@@ -232,14 +238,17 @@ class BrokerConsumer:
             self.queue_types[name] = actual
             if actual == "quorum":
                 self._quorum_queue(connection, name, existed)
+        if self.queue_types[name] == "quorum":
+            # At every connect: a queue deleted and declared again meanwhile has lost its
+            # binding, and what comes out of the delay levels for it would go nowhere.
+            bind_delayed_delivery(connection, name, name)
         return queue
 
     def _quorum_queue(self, connection: Connection, name: str, existed: bool) -> None:
-        """Once per queue and worker: what Celery's countdown tasks need (the delay levels,
-        and this queue bound to their end), and a word on a delivery-limit that could drop
-        messages or dead-letter a message before workhorse's own bounds do."""
+        """Once per queue and worker: what Celery's countdown tasks need (the delay levels;
+        ``_queue`` binds the queue to their end), and a word on a delivery-limit that could
+        drop messages or dead-letter a message before workhorse's own bounds do."""
         declare_delayed_delivery(connection, "quorum")
-        bind_delayed_delivery(connection, name, name)
         limit = probe_argument(connection, name, "x-delivery-limit") if existed else None
         if isinstance(limit, str) and limit.isdigit():
             limit = int(limit)      # (a quorum queue's refusal says '5', untyped)
@@ -720,6 +729,21 @@ class BrokerConsumer:
         self.republish(queue, message,
                        headers if headers is not None
                        else {DELIVERIES_HEADER: self._earlier(message)})
+        self.ack(message)
+
+    def delayable(self) -> frozenset[str]:
+        """The queues whose messages RabbitMQ can hold for a while for us: the quorum
+        queues, bound to Celery's delay levels (``hand_back_later``)."""
+        return frozenset(q for q, kind in self.queue_types.items() if kind == "quorum")
+
+    def hand_back_later(self, queue: str, message: Message, seconds: int) -> None:
+        """A fresh copy through RabbitMQ's delay levels (Celery's delayed delivery, which
+        the queue is bound to), back in ``queue`` in ``seconds``; then ack. Not a delivery
+        that counts (the copy carries the deliveries before this one that did)."""
+        self._still_held(message)
+        self.republish(delayed_routing_key(seconds, queue), message,
+                       {DELIVERIES_HEADER: self._earlier(message)},
+                       exchange=delay_level(DELAY_LEVELS - 1))
         self.ack(message)
 
     def requeue_counted(self, queue: str, message: Message, deliveries: int) -> None:

@@ -32,7 +32,7 @@ from ..protocol import (
     DELIVERIES_HEADER,
     HELD_LOSSES_HEADER,
 )
-from ..queues import ensure_queue
+from .queues import ensure_queue
 from ..transport import unreadable
 from ..transport.redis import Channel as RedisChannel
 from ..transport.sqlite import Channel as SqliteChannel

@@ -59,6 +59,8 @@ class BrokerLink:
         self.connected = False
         self.push = False       # RabbitMQ: pushes up to a credit, takes back on loss
         self.leased = False     # SQLite, Redis: leases to renew
+        #: Queues whose broker holds a message for a while for us (hand_back_later).
+        self.delayable: frozenset[str] = frozenset()
         self.takes_here = False     # SQLite: acks and takes on this thread (_take_here)
         self.received = 0       # messages handed to the loop so far (for Room)
         self._credit = -1
@@ -290,6 +292,10 @@ class BrokerLink:
     def hand_back(self, queue: str, message: Message) -> None:
         self.submit(lambda c: c.hand_back(queue, message), f"{message_label(message)}: hand back")
 
+    def hand_back_later(self, queue: str, message: Message, seconds: int) -> None:
+        self.submit(lambda c: c.hand_back_later(queue, message, seconds),
+                    f"{message_label(message)}: hand back for {seconds} s")
+
     def republish(self, queue: str, message: Message, headers: Mapping[str, Any]) -> None:
         self.submit(lambda c: c.republish(queue, message, headers),
                     f"{message_label(message)}: put back")
@@ -369,6 +375,7 @@ class BrokerLink:
             self._say_status(f"waiting for the broker at {self.where}")
             return
         self.connected, self.push, self.leased = True, consumer.push, consumer.leased
+        self.delayable = consumer.delayable()
         self.takes_here = consumer.takes_at_once
         self._credit = -1
         self._say_status(f"consuming {', '.join(self.queues)}")

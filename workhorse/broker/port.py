@@ -23,6 +23,10 @@ from typing import Any, Protocol
 from kombu.message import Message
 
 from .journal import Journal
+from .queues import DELAY_LEVELS
+
+#: The longest ``hand_back_later`` (seconds): what RabbitMQ's delay levels can hold.
+MAX_DELAY = 2 ** DELAY_LEVELS - 1
 
 
 class BrokerPort(Protocol):
@@ -34,6 +38,9 @@ class BrokerPort(Protocol):
     #: Capabilities of the broker of the current connection.
     push: bool          # delivers up to a credit; takes back what a lost connection held
     leased: bool        # leases what we hold, to be renewed
+    #: Queues whose broker can hold a message for a while for us (RabbitMQ's delay levels,
+    #: for quorum queues): ``hand_back_later``.
+    delayable: frozenset[str]
 
     # -- life cycle
     def start(self) -> None: ...
@@ -58,6 +65,7 @@ class BrokerPort(Protocol):
     def requeue(self, queue: str, message: Message) -> None: ...
     def requeue_counted(self, queue: str, message: Message, deliveries: int) -> None: ...
     def hand_back(self, queue: str, message: Message) -> None: ...
+    def hand_back_later(self, queue: str, message: Message, seconds: int) -> None: ...
     def republish(self, queue: str, message: Message, headers: Mapping[str, Any]) -> None: ...
     def dead_letter(self, queue: str, message: Message, reason: str, task_id: str | None,
                     worker: str, *, acked: bool, or_requeue: bool = False) -> None: ...

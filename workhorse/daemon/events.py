@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from kombu import Exchange
 
+from ..broker.queues import events_exchange
 from ..control.events import (
     HEARTBEAT_INTERVAL,
     Clock,
@@ -89,9 +90,7 @@ class EventThread(ServiceThread):
     def serve(self) -> None:
         with self.app.connection() as connection:
             connection.ensure_connection(max_retries=connection.retries(2))
-            fanout = connection.transport.driver_type in ("redis", "sqlite")
-            exchange = Exchange(EXCHANGE, type="fanout" if fanout else "topic",
-                                durable=True, auto_delete=False)
+            exchange = events_exchange(connection, EXCHANGE)
             producer = connection.Producer(serializer="json")
             beat = time.monotonic() + HEARTBEAT_INTERVAL
             while True:

@@ -37,6 +37,10 @@ log = logging.getLogger("workhorse.supervisor")
 #: After handing back an ETA message over max_scheduled, stop fetching for this long, so a
 #: queue of far-future messages is not cycled through the worker at full speed.
 SCHEDULE_FULL_PAUSE = 1.0
+#: An ETA message due this many seconds or more from now, on a queue whose broker can hold
+#: it (a RabbitMQ quorum queue, whose consumers' prefetch is fixed: one held here takes a
+#: place in it), goes back through the broker's delay levels instead of waiting here.
+DELAY_ON_BROKER = 10.0
 
 
 def task_policy(task: Any, settings: Settings) -> Policy:
@@ -112,7 +116,13 @@ class Intake:
             self.events.received(delivery)
         now = self.now()
         if request.eta is not None and request.eta > now:
-            self.schedule(delivery, (request.eta - now).total_seconds())
+            delay = (request.eta - now).total_seconds()
+            if (delay >= DELAY_ON_BROKER and self.accepting()
+                    and self.settlement.hand_back_later(delivery, delay)):
+                log.debug("%s: due at %s; back through the broker's delay levels",
+                          delivery.label, request.eta.isoformat())
+                return
+            self.schedule(delivery, delay)
         elif delivery.suspect:      # first, and alone (Dispatch): soon over, or named
             self.holding.buffer_first(delivery)
         else:

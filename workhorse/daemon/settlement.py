@@ -8,6 +8,7 @@ the message held meanwhile, never by sleeping.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,7 @@ from ..outcome import Action, Decision, Outcome, Store, decide
 from ..protocol import read_message
 from ..sqlitedb import said
 from ..states import FAILURE, REVOKED
-from ..broker.port import BrokerPort
+from ..broker.port import MAX_DELAY, BrokerPort
 from .current import Current
 from .delivery import Delivery
 from .events import TaskEvents
@@ -154,12 +155,28 @@ class Settlement:
     def hand_back(self, delivery: Delivery) -> None:
         """A fresh copy to the end of its queue, then ack (ETA messages over
         max_scheduled, or held for long on RabbitMQ)."""
+        self._hand_back(delivery, lambda: self.broker.hand_back(delivery.queue,
+                                                                delivery.message))
+
+    def _hand_back(self, delivery: Delivery, send: Callable[[], None]) -> None:
         self.holding.settle(delivery)
         try:
-            self.broker.hand_back(delivery.queue, delivery.message)
+            send()
         except Exception as exc:  # noqa: BLE001 - the broker returns it when the lease ends
             log.error("%s: could not hand it back (%r); the broker returns it when its lease "
                       "ends or the connection closes", delivery.label, exc)
+
+    def hand_back_later(self, delivery: Delivery, delay: float) -> bool:
+        """An ETA message due in ``delay`` s, on a queue whose broker can hold it that long
+        (RabbitMQ's delay levels, for a quorum queue, where a message held here takes a
+        place in the consumer's fixed prefetch): a fresh copy through them, back at its
+        ETA, then ack. False (held here instead) on any other queue."""
+        seconds = math.ceil(delay)
+        if delivery.queue not in self.broker.delayable or not 0 < seconds <= MAX_DELAY:
+            return False
+        self._hand_back(delivery, lambda: self.broker.hand_back_later(
+            delivery.queue, delivery.message, seconds))
+        return True
 
     def give_back(self, queue: str, message: Message, label: str = "a message") -> None:
         """Requeue, uncounted; if even that fails, the broker has it back anyway once our
