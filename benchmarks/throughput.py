@@ -194,9 +194,9 @@ def measure(kind: str, broker: str, url: str, task_set: str, count: int, concurr
                WORKHORSE_STATE_DIR=str(workdir / "state"), WORKHORSE_PREFETCH_MULTIPLIER="4",
                WORKHORSE_ACKS_LATE=str(acks_late).lower(),
                BENCH_ACKS_LATE=str(acks_late).lower(),
-               CELERY_BROKER_URL=url, DRAMATIQ_BROKER_URL=url,
-               WORKHORSE_QUEUE_TYPE=QUEUE_TYPES.get(broker, "classic"),
-               BENCH_QUEUE_TYPE=QUEUE_TYPES.get(broker, "classic"))
+               CELERY_BROKER_URL=url, DRAMATIQ_BROKER_URL=url)
+    if broker in QUEUE_TYPES:       # (only then: a checkout before queue_type refuses it)
+        env.update(WORKHORSE_QUEUE_TYPE=QUEUE_TYPES[broker], BENCH_QUEUE_TYPE=QUEUE_TYPES[broker])
     if results:
         env["WORKHORSE_RESULT_BACKEND"] = results_url(broker, workdir)
         env["BENCH_RESULTS"] = results_url(broker, workdir).replace("sqlite:", "db+sqlite:")

@@ -89,12 +89,21 @@ class BrokerEnv:
         """Take (and ack) every message in a queue: [(headers, body bytes)].
 
         (py-amqp hands over utf-8 bodies already decoded to str; the bytes are the same.)"""
+        from amqp.exceptions import InternalError
+
         from workhorse.broker.queues import ensure_queue
         out = []
         with self.connection() as conn:
             q = ensure_queue(conn, name, self.queue_type)(conn.default_channel)
             for _ in range(limit):
-                message = q.get(no_ack=False, accept=["application/json"])
+                try:
+                    message = q.get(no_ack=False, accept=["application/json"])
+                except InternalError as exc:
+                    # A quorum queue declared a moment ago may not have started its
+                    # replicas yet ('noproc'): as good as empty, for callers that wait
+                    if "noproc" not in str(exc):
+                        raise
+                    break
                 if message is None:
                     break
                 body = message.body
