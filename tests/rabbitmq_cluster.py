@@ -17,13 +17,13 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .servers import free_port, kill_group
 
 #: The scripts themselves: /usr/sbin's wrappers switch to the rabbitmq user, whose HOME
 #: (and cookie) is the shared node's.
@@ -38,12 +38,6 @@ def available() -> str | None:
     if shutil.which("erl") is None:
         return "Erlang (erl) is not installed"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -78,7 +72,10 @@ class Cluster:
             'ERL_EPMD_ADDRESS=127.0.0.1\n'
             'export ERL_FLAGS="-kernel inet_dist_use_interface {127,0,0,1}"\n')
         tag = secrets.token_hex(3)
-        self.nodes = [Node(i, f"whc{i}-{tag}@localhost", free_port(), free_port(),
+        ports: list[int] = []
+        for _ in range(2 * size):
+            ports.append(free_port(taken=ports))
+        self.nodes = [Node(i, f"whc{i}-{tag}@localhost", ports[2 * i], ports[2 * i + 1],
                            base / f"node{i}") for i in range(size)]
 
     # ------------------------------------------------------------------ the nodes
@@ -165,11 +162,7 @@ class Cluster:
     def kill(self, node: Node) -> None:
         """SIGKILL the node's whole process group: the VM gets no word in."""
         assert node.process is not None
-        try:
-            os.killpg(node.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        node.process.wait(30)
+        kill_group(node.process)
 
     def restart(self, node: Node) -> None:
         """Start a killed node again; it rejoins the cluster from its data directory."""

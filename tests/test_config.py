@@ -56,6 +56,9 @@ SAMPLES = {
     "visibility_timeout": ("45", 45.0),
     "celery_visibility_timeout": ("7200", 7200.0),
     "result_backend": ("redis://localhost/1", "redis://localhost/1"),
+    "broker_transport_options": ('{"master_name": "m"}', {"master_name": "m"}),
+    "result_backend_transport_options": ('{"master_name": "m", "sentinel_kwargs": {}}',
+                                         {"master_name": "m", "sentinel_kwargs": {}}),
     "result_expires": ("60", 60.0),
     "acks_late": ("false", False),
     "remote_control": ("off", False),
@@ -120,6 +123,8 @@ def test_every_setting_round_trips_through_each_source(name, tmp_path):
             else f'"{text}"'
     if name == "max_memory_per_child":
         toml_value = f'"{text}"'
+    if setting.type.toml_name == "table":
+        toml_value = f"'{text}'"            # (JSON text; a TOML table is tested apart)
     toml = write(tmp_path / "w.toml", f"[{setting.section}]\n{name} = {toml_value}\n")
     ini = write(tmp_path / "w.ini", f"[{setting.section}]\n{name} = {text}\n")
     flag_args = ([f"--{'' if expected else 'no-'}{name.replace('_', '-')}"]

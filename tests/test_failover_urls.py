@@ -30,7 +30,7 @@ def test_a_failover_list_is_split_and_shown_without_passwords():
 
 @pytest.mark.parametrize(("url", "error"), [
     ("amqp://h1//;redis://h2/0", "share one scheme, not amqp, redis"),
-    ("sqlite:///a.db;sqlite:///b.db", "is for RabbitMQ or Redis servers"),
+    ("sqlite:///a.db;sqlite:///b.db", "a list of URLs (url;url) is not for sqlite"),
     ("amqp://h1//;kafka://u:pw@h2", "expected a URL with scheme"),
 ])
 def test_a_bad_failover_list_is_refused_naming_the_problem(url, error):

@@ -72,6 +72,9 @@ class App:
         #: x-queue-type, its task_default_queue_type): see ``queue_type``.
         self.celery_queue_types: dict[str, str] = {}
         self.celery_default_queue_type: str | None = None
+        #: A Celery app's broker_transport_options and result_backend_transport_options
+        #: (under -A), used where workhorse's settings of those names are not set.
+        self.celery_transport_options: dict[str, dict[str, Any]] = {}
         self.result_cache = ResultCache()
         register_builtins(self)
         set_current_app(self)
@@ -128,8 +131,10 @@ class App:
     def new_backend(self) -> Backend:
         """A result store object of its own, as configured (for another thread)."""
         s = self.settings
-        return backend_from_url(s.result_backend, expires=s.result_expires,
-                                extended=s.result_extended, retry=result_retry_policy(s))
+        return backend_from_url(
+            s.result_backend, expires=s.result_expires, extended=s.result_extended,
+            retry=result_retry_policy(s),
+            transport_options=self.transport_options("result_backend_transport_options"))
 
     # -- broker
     def queue_type(self, queue: str) -> str:
@@ -151,7 +156,16 @@ class App:
     def connection(self, heartbeat: float = 0) -> FailoverConnection:
         """A new, unconnected kombu Connection to the configured broker. ``heartbeat``
         (RabbitMQ): only for a connection whose owner calls ``heartbeat_check``."""
-        return open_connection(self.settings, heartbeat)
+        return open_connection(self.settings, heartbeat,
+                               self.transport_options("broker_transport_options"))
+
+    def transport_options(self, name: str) -> dict[str, Any]:
+        """``broker_transport_options`` or ``result_backend_transport_options``: the
+        setting where it is set, else a Celery app's (under -A), else none."""
+        settings = self.settings
+        if settings.source(name) == "default":
+            return dict(self.celery_transport_options.get(name) or {})
+        return dict(settings[name])
 
     def send_task(self, name: str, args: Sequence[Any] | None = None,
                   kwargs: Mapping[str, Any] | None = None, *,

@@ -42,6 +42,10 @@ def from_celery(celery_app: Any, main: str | None = None) -> App:
     celery_app.finalize(auto=True)
     app = App(main or getattr(celery_app, "main", None) or "celery")
     app.celery_default_queue_type, app.celery_queue_types = _queue_types(celery_app)
+    for name in ("broker_transport_options", "result_backend_transport_options"):
+        options = celery_app.conf.get(name)
+        if isinstance(options, dict) and options:
+            app.celery_transport_options[name] = dict(options)
     for name, task in sorted(celery_app.tasks.items()):
         if name.startswith("celery.") or name in app.tasks:
             continue

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
+from typing import Any
 
+from ..urls import SENTINEL, as_redis, scheme_of
 from .base import Backend, ChordCompletion, ChordPart, Claim, DisabledBackend, RetryPolicy
 from .encoding import decode_exception, encode_exception
 
@@ -11,17 +14,22 @@ __all__ = ["Backend", "ChordCompletion", "ChordPart", "Claim", "DisabledBackend"
 
 
 def backend_from_url(url: str, *, expires: float | None = None, extended: bool = False,
-                     retry: RetryPolicy | None = None) -> Backend:
-    """``sqlite:///…``, ``redis://…``, ``rediss://…``, ``disabled``, or ``pkg.module:Class``."""
-    scheme = url.split("://", 1)[0] if "://" in url else ""
+                     retry: RetryPolicy | None = None,
+                     transport_options: Mapping[str, Any] | None = None) -> Backend:
+    """``sqlite:///…``, ``redis://…``, ``rediss://…`` (also ``valkey://``, ``valkeys://``),
+    a ``sentinel://`` list (``transport_options``: its ``master_name``, ``sentinel_kwargs``),
+    ``disabled``, or ``pkg.module:Class``."""
+    url = as_redis(url)
+    scheme = scheme_of(url) if "://" in url else ""
     if url == "disabled":
         return DisabledBackend(url)
     if scheme == "sqlite":
         from .sqlite import SQLiteBackend
         return SQLiteBackend(url, expires=expires, extended=extended, retry=retry)
-    if scheme in ("redis", "rediss"):
+    if scheme in ("redis", "rediss", SENTINEL):
         from .redis import RedisBackend
-        return RedisBackend(url, expires=expires, extended=extended, retry=retry)
+        return RedisBackend(url, expires=expires, extended=extended, retry=retry,
+                            transport_options=transport_options)
     if not scheme and "." in url:
         module_name, _, attr = url.partition(":") if ":" in url else url.rpartition(".")
         cls = getattr(importlib.import_module(module_name), attr)

@@ -14,10 +14,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import redis
+from redis.sentinel import MasterNotFoundError, Sentinel
 
 from ..control.revoked import REVOKES_MAX
 from ..exceptions import TimeoutError
 from ..states import READY_STATES
+from ..urls import SENTINEL, scheme_of, sentinels, split_master_name
 from .base import CLAIM_DONE, Backend, ChordCompletion, ChordPart, Claim
 from .encoding import dumps, loads
 
@@ -130,8 +132,10 @@ def _milliseconds(ttl: float) -> int:
 class RedisBackend(Backend):
     """``SETEX`` + ``PUBLISH`` in one MULTI/EXEC; waiting clients subscribe, then GET once."""
 
-    def __init__(self, url: str, **options: Any) -> None:
+    def __init__(self, url: str, *, transport_options: Mapping[str, Any] | None = None,
+                 **options: Any) -> None:
         super().__init__(url, **options)
+        self.transport_options = dict(transport_options or {})
         self._client: redis.Redis | None = None
         self._pid = 0
 
@@ -139,11 +143,26 @@ class RedisBackend(Backend):
     def client(self) -> redis.Redis:
         if self._client is None or self._pid != os.getpid():
             # socket_timeout: a silent server fails a call (retried) rather than hanging it.
-            self._client = redis.Redis.from_url(self.url, socket_connect_timeout=5,
-                                                socket_timeout=10, socket_keepalive=True,
-                                                health_check_interval=30)
+            timeouts: dict[str, Any] = {"socket_connect_timeout": 5, "socket_timeout": 10,
+                                        "socket_keepalive": True, "health_check_interval": 30}
+            if scheme_of(self.url) == SENTINEL:
+                self._client = self._master(timeouts)
+            else:
+                self._client = redis.Redis.from_url(self.url, **timeouts)
             self._pid = os.getpid()
         return self._client
+
+    def _master(self, timeouts: dict[str, Any]) -> redis.Redis:
+        """A client of the master the sentinels name; its pool asks them again at each new
+        connection, so a call retried after a failover goes to the new master."""
+        _, master_name = split_master_name(self.url)
+        master_name = master_name or self.transport_options.get("master_name")
+        found = sentinels(self.url)
+        sentinel = Sentinel(list(found.addresses),
+                            sentinel_kwargs=self.transport_options.get("sentinel_kwargs"),
+                            socket_connect_timeout=5, socket_timeout=5)
+        return sentinel.master_for(str(master_name), db=found.db, password=found.password,
+                                   **timeouts)
 
     def close(self) -> None:
         if self._client is not None and self._pid == os.getpid():
@@ -154,8 +173,11 @@ class RedisBackend(Backend):
         self._client = None
 
     def exception_safe_to_retry(self, exc: BaseException) -> bool:
+        # (a failover: no master known yet, or a write sent to the old master now a
+        # replica, which refuses it)
         return isinstance(exc, (redis.ConnectionError, redis.TimeoutError,
-                                redis.exceptions.BusyLoadingError))
+                                redis.exceptions.BusyLoadingError, MasterNotFoundError,
+                                redis.exceptions.ReadOnlyError))
 
     @staticmethod
     def key(task_id: str) -> str:

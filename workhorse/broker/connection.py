@@ -9,12 +9,13 @@ become kombu's plain ones on the second host. ``FailoverConnection`` keeps the c
 from __future__ import annotations
 
 import ssl
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kombu import Connection
 
-from ..transport import RABBITMQ, RABBITMQ_TLS, REDIS
-from ..urls import alternatives
+from ..transport import RABBITMQ, RABBITMQ_TLS, REDIS, REDIS_SENTINEL
+from ..urls import SENTINEL, as_redis, scheme_of, split_master_name
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -36,20 +37,27 @@ class FailoverConnection(Connection):
         return rounds * max(1, len(self.alt)) - 1
 
 
-def open_connection(settings: Settings, heartbeat: float = 0) -> FailoverConnection:
+def open_connection(settings: Settings, heartbeat: float = 0,
+                    transport_options: Mapping[str, Any] | None = None) -> FailoverConnection:
     """A new, unconnected kombu Connection to the configured broker. ``heartbeat``
-    (RabbitMQ): only for a connection whose owner calls ``heartbeat_check``."""
-    url = settings.broker_url
+    (RabbitMQ): only for a connection whose owner calls ``heartbeat_check``;
+    ``transport_options``: the user's (broker_transport_options, or a Celery app's), under
+    workhorse's own."""
+    url, master_name = split_master_name(as_redis(settings.broker_url))
     options: dict[str, Any] = {}
-    transport_options: dict[str, Any] = {
+    transport_options = {
+        **(transport_options or {}),
         "visibility_timeout": settings.visibility_timeout,
         # RabbitMQ: publish returns once the broker has the message (publisher
         # confirms), so "sent, then ack the original" can never lose it.
         "confirm_publish": True}
-    scheme = alternatives(url)[0].split("://", 1)[0]
-    if scheme in ("redis", "rediss"):
-        # kombu's Redis transport with renewable leases and lease-checked acks.
-        options["transport"] = REDIS
+    if master_name:
+        transport_options["master_name"] = master_name
+    scheme = scheme_of(url)
+    if scheme in ("redis", "rediss", SENTINEL):
+        # kombu's Redis transport with renewable leases and lease-checked acks (on the
+        # master that Sentinel names, for a sentinel:// list).
+        options["transport"] = REDIS_SENTINEL if scheme == SENTINEL else REDIS
         transport_options["foreign_visibility_timeout"] = settings.celery_visibility_timeout
         # A silent server (a network partition) fails a call instead of blocking the
         # worker's loop until TCP gives up.

@@ -277,8 +277,9 @@ class BrokerConsumer:
     def server(self) -> str:
         """The server of a failover list this is connected to (host:port), or ''."""
         connection = self.connection
-        if connection is None or not connection.alt:
-            return ""
+        if connection is None or not connection.alt or "master_name" in (
+                connection.transport_options or {}):
+            return ""       # (Sentinel: the list is of sentinels, not of brokers)
         return f"{connection.hostname}:{connection.port}"
 
     def describe_failure(self, exc: BaseException) -> str:

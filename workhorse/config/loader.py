@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .settings import BY_NAME, SECTIONS, SETTINGS, Setting
-from ..urls import redact
+from ..urls import SENTINEL, redact, scheme_of, split_master_name
 from .types import Invalid
 
 CONFIG_ENV = "WORKHORSE_CONFIG"
@@ -110,7 +110,7 @@ def read_toml(path: Path) -> dict[str, Raw]:
         _check_section(path, section)
         for key, value in table.items():
             _check_key(path, section, key)
-            if isinstance(value, dict):
+            if isinstance(value, dict) and BY_NAME[key].type.toml_name != "table":
                 raise ConfigError(f"{path} [{section}] {key}: nested tables are not settings")
             found[key] = Raw(value, f"{path} [{section}]", key)
     return found
@@ -229,6 +229,15 @@ def _check_together(values: Mapping[str, Any], sources: Mapping[str, str]) -> No
             f"time_limit ({_num(hard)}) must be greater than soft_time_limit ({_num(soft)}): "
             f"time_limit from {sources['time_limit']}, soft_time_limit from "
             f"{sources['soft_time_limit']}")
+    for url_setting, options_setting in (("broker_url", "broker_transport_options"),
+                                         ("result_backend", "result_backend_transport_options")):
+        url = values[url_setting]
+        if (scheme_of(url) == SENTINEL and split_master_name(url)[1] is None
+                and not values[options_setting].get("master_name")):
+            raise ConfigError(
+                f"{url_setting} from {sources[url_setting]} lists Redis Sentinels but not the "
+                f"master's name: end the list with ?master_name=<name>, or set master_name in "
+                f"{options_setting}")
 
 
 def _num(value: float) -> str:

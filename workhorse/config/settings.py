@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..urls import alternatives, redact
+from ..urls import alternatives, redact, split_master_name
 from . import types as t
 
 SECTIONS = ("worker", "broker", "results", "tasks")
 
-BROKER_SCHEMES = ("sqlite", "redis", "rediss", "amqp", "amqps", "pyamqp", "memory")
-RESULT_SCHEMES = ("sqlite", "redis", "rediss")
+BROKER_SCHEMES = ("sqlite", "redis", "rediss", "valkey", "valkeys", "sentinel", "amqp",
+                  "amqps", "pyamqp", "memory")
+RESULT_SCHEMES = ("sqlite", "redis", "rediss", "valkey", "valkeys", "sentinel")
 
 
 @dataclass(frozen=True)
@@ -74,24 +75,31 @@ def _check_url(schemes: tuple[str, ...], extra: str = "") -> Callable[[str], str
 def _check_broker_url(value: str) -> str | None:
     """A broker URL, or a failover list of them (``amqp://h1//;amqp://h2//``): one scheme,
     and only for brokers with more than one server."""
-    urls = alternatives(value)
-    check = _check_url(BROKER_SCHEMES)
+    return _check_list(value, BROKER_SCHEMES, ("sqlite", "memory"))
+
+
+def _check_list(value: str, schemes: tuple[str, ...], single: tuple[str, ...],
+                extra: str = "") -> str | None:
+    """A URL, or a list of them of one scheme (``a;b``) where ``single`` does not hold it."""
+    urls = alternatives(split_master_name(value)[0])
+    check = _check_url(schemes, extra)
     for url in urls or [value]:
         if (problem := check(url)) is not None:
             return problem if len(urls) < 2 else f"{problem} (in {redact(url)!r})"
-    schemes = {url.split("://", 1)[0] for url in urls}
-    if len(urls) > 1 and len(schemes) > 1:
-        return f"the URLs of a failover list share one scheme, not {', '.join(sorted(schemes))}"
-    if len(urls) > 1 and schemes & {"sqlite", "memory"}:
-        return "a failover list (url;url) is for RabbitMQ or Redis servers, not sqlite or memory"
+    found = {url.split("://", 1)[0] for url in urls}
+    if len(urls) > 1 and len(found) > 1:
+        return f"the URLs of a failover list share one scheme, not {', '.join(sorted(found))}"
+    if len(urls) > 1 and found & set(single):
+        return (f"a list of URLs (url;url) is not for {' or '.join(sorted(found & set(single)))}"
+                f" (it is for {', '.join(s for s in schemes if s not in single)})")
     return None
 
 
 def _check_backend(value: str) -> str | None:
     if value == "disabled" or ("://" not in value and "." in value):
         return None
-    check = _check_url(RESULT_SCHEMES, ", \"disabled\" or a class path (package.module:Class)")
-    return check(value)
+    return _check_list(value, RESULT_SCHEMES, ("sqlite", "redis", "rediss", "valkey", "valkeys"),
+                       ", \"disabled\" or a class path (package.module:Class)")
 
 
 def _check_app(value: str) -> str | None:
@@ -173,9 +181,10 @@ SETTINGS: tuple[Setting, ...] = (
     # [broker]
     Setting("broker_url", "broker", t.text(_check_broker_url, "a broker URL"),
             lambda r: f"sqlite:///{r['state_dir'] / 'broker.sqlite3'}",
-            "The message broker: sqlite:///<path> (embedded), redis://, amqp://. For a "
-            "cluster, several URLs of one scheme separated by ';' (amqp://h1//;amqp://h2//): "
-            "each (re)connect tries them in that order.",
+            "The message broker: sqlite:///<path> (embedded), redis:// (or valkey://), "
+            "amqp://. For a cluster, several URLs of one scheme separated by ';' "
+            "(amqp://h1//;amqp://h2//): each (re)connect tries them in that order; for Redis "
+            "Sentinel, the sentinels: sentinel://h1:26379;sentinel://h2:26379?master_name=m.",
             default_doc="sqlite:///<state_dir>/broker.sqlite3", cli=("-b",), reload=False),
     Setting("visibility_timeout", "broker", t.seconds(positive=True), 30.0,
             "How long a message taken but not acknowledged stays leased (SQLite, Redis) before "
@@ -196,6 +205,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("broker_connection_max_retries", "broker", t.integer(0).or_none(), None,
             "Give up (exit with status 1) after this many failed attempts in a row to "
             "connect or reconnect to the broker; none: never give up.", reload=False),
+    Setting("broker_transport_options", "broker", t.table(), {},
+            "Options for the broker's kombu transport, as Celery's setting of that name: "
+            "master_name for a sentinel:// list (or ?master_name= at the list's end), "
+            "sentinel_kwargs (e.g. the sentinels' own password). workhorse's own settings "
+            "win where they overlap (visibility_timeout).", reload=False),
     Setting("queue_type", "broker", t.choice(*t.QUEUE_TYPES), "classic",
             "RabbitMQ: the type the worker declares its task queues (and their .dead queues) "
             "with when they do not exist: classic, or quorum (replicated across a cluster's "
@@ -210,9 +224,14 @@ SETTINGS: tuple[Setting, ...] = (
     # [results]
     Setting("result_backend", "results", t.text(_check_backend, "a result store URL"),
             lambda r: f"sqlite:///{r['state_dir'] / 'results.sqlite3'}",
-            "Where results are stored: sqlite:///<path>, redis://, rediss://, disabled, or a "
-            "Backend class path.", default_doc="sqlite:///<state_dir>/results.sqlite3",
+            "Where results are stored: sqlite:///<path>, redis://, rediss:// (or valkey://, "
+            "valkeys://), a Redis Sentinel list (sentinel://h1:26379;sentinel://h2:26379"
+            "?master_name=m), disabled, or a Backend class path.", default_doc="sqlite:///<state_dir>/results.sqlite3",
             reload=False),
+    Setting("result_backend_transport_options", "results", t.table(), {},
+            "Options for a Redis result store, as Celery's setting of that name: "
+            "master_name for a sentinel:// list (or ?master_name= at the list's end), "
+            "sentinel_kwargs.", reload=False),
     Setting("result_expires", "results", t.seconds(positive=False).or_none(), 86400.0,
             "Seconds a stored result is kept (0 or none: forever)."),
     Setting("result_extended", "results", t.boolean(), False,

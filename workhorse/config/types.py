@@ -3,8 +3,9 @@ App keywords), validates, and says in one line what it accepts. ``parse_native``
 strict check for Python values given in code (task options), which are never text to read."""
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,24 @@ def string_list() -> ValueType:
             raise Invalid(f"expected {accepted}, without repeats")
         return tuple(items)
     return ValueType(accepted, parse, toml_name="array of strings")
+
+
+def table() -> ValueType:
+    """Options by name: a TOML table (``{ master_name = "mymaster" }``), or a JSON object
+    as text (env, INI, command line)."""
+    accepted = "a table of options (a TOML table, or a JSON object)"
+
+    def parse(raw: Any) -> dict[str, Any]:
+        value = raw
+        if isinstance(raw, str):
+            try:
+                value = json.loads(raw)
+            except ValueError as exc:
+                raise Invalid(f"expected {accepted}: {exc}") from None
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise Invalid(f"expected {accepted}")
+        return dict(value)
+    return ValueType(accepted, parse, toml_name="table", native="a dict")
 
 
 #: RabbitMQ's queue types a worker declares its task queues as (``queue_type``).

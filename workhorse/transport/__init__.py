@@ -5,6 +5,7 @@ from kombu.transport import TRANSPORT_ALIASES
 
 SQLITE = "workhorse.transport.sqlite:Transport"
 REDIS = "workhorse.transport.redis:Transport"
+REDIS_SENTINEL = "workhorse.transport.redis:SentinelTransport"
 RABBITMQ = "workhorse.transport.rabbitmq:Transport"
 RABBITMQ_TLS = "workhorse.transport.rabbitmq:SSLTransport"
 

@@ -560,6 +560,9 @@ class Channel(redis.Channel):
         if connection is None or self._direct_pool is not pool:
             connection = self._direct = pool.connection_class(**pool.connection_kwargs)
             self._direct_pool = pool
+        # Connected here, not by the first send: a Sentinel-managed connection finds the
+        # master in connect() only (redis-py's send would connect it to localhost:6379).
+        connection.connect()
         try:
             # Packed by hiredis's C function (redis-py's packer, in Python, took 3.6 µs
             # of a round trip for a take with three acks; this, 1.1), which packs what
@@ -694,6 +697,7 @@ class ListWaiter:
 
     def arm(self, timeout: int) -> None:
         if self.sent_at is None:
+            self.connection.connect()       # (the master, under Sentinel: see _run_once)
             self.connection.send_command("BLMOVE", self.key, self.key, "RIGHT", "RIGHT",
                                          timeout)
             self.sent_at = monotonic()
@@ -714,3 +718,20 @@ class ListWaiter:
 
 class Transport(redis.Transport):
     Channel = Channel
+
+
+class SentinelChannel(Channel, redis.SentinelChannel):
+    """This channel on the master that Redis Sentinel names (kombu's sentinel pool): the
+    pool asks the sentinels for the master at each new connection, so a reconnect after a
+    failover lands on the new master."""
+
+    from_transport_options = (  # type: ignore[assignment]
+        *Channel.from_transport_options, "master_name", "min_other_sentinels",
+        "sentinel_kwargs", "sentinel_fanout_compat")
+
+
+class SentinelTransport(Transport):
+    """``sentinel://h1:26379;sentinel://h2:26379`` with ``master_name``."""
+
+    Channel = SentinelChannel
+    default_port = 26379  # type: ignore[assignment]
