@@ -3,7 +3,8 @@ sentinels with quorum 2, apart from the shared Redis): a worker whose broker and
 are on the set drains tasks while the master is SIGKILLed; every task completes, none is
 lost, the worker consumes from the new master on its own, results are read after the
 failover. Also: the first sentinel listed is down at start, and remote control answers
-``workhorse inspect ping`` and Celery's ``inspect().ping()`` through the sentinels.
+``workhorse inspect ping`` and Celery's ``inspect().ping()`` through the sentinels; every
+sentinel down for 10 s.
 
 By hand: ``CI=true pytest tests/test_redis_sentinel.py -s`` (it prints its figures)."""
 from __future__ import annotations
@@ -109,5 +110,38 @@ def test_the_first_sentinel_down_at_start_is_passed_over(sentinel_set, start_wor
             assert replies == {hostname: {"ok": "pong"}}
         finally:
             app.close()
+    finally:
+        basic.app.close()
+
+
+def test_every_sentinel_down_for_10_s_stops_nothing_that_needs_no_new_connection(
+        sentinel_set, start_worker, monkeypatch, tmp_path):
+    """The sentinels only name the master: while all three are down (a 10 s outage, the
+    fault injected) the worker goes on with the connections it has to the master, which is
+    up; once they are back, everything sent before and after runs, none lost."""
+    broker = BrokerEnv("redis", urls(sentinel_set, 0), f"s-{uuid.uuid4().hex[:8]}")
+    results = urls(sentinel_set, 1)
+    basic = client_for(monkeypatch, broker, results, tmp_path)
+    try:
+        sent = [basic.record.delay(0.02) for _ in range(400)]
+        worker = start_worker(broker, result_backend=results)
+        wait_until(lambda: len(runs(tmp_path)) >= 50, 60, "the drain to start")
+        for sentinel in sentinel_set.sentinels:
+            sentinel_set.kill(sentinel)
+        down_at = time.monotonic()
+        ran = len(runs(tmp_path))
+        wait_until(lambda: len(runs(tmp_path)) > ran + 50, 10,
+                   "tasks to go on running while the sentinels are down")
+        time.sleep(max(0.0, 10 - (time.monotonic() - down_at)))   # the outage: 10 s
+        for i in range(len(sentinel_set.sentinels)):
+            sentinel_set.start_sentinel(i)
+        sentinel_set.settle()
+        later = [basic.record.delay() for _ in range(5)]
+        for result in sent + later:
+            assert result.get(timeout=120) == result.id
+        started = Counter(task_id for _, task_id, _ in runs(tmp_path))
+        assert set(started) == {r.id for r in sent + later}
+        assert worker.proc.poll() is None
+        assert "Traceback" not in worker.log()
     finally:
         basic.app.close()
