@@ -35,10 +35,24 @@ def test_valkey_urls_are_redis_on_the_wire():
     assert as_redis("amqp://h//") == "amqp://h//"
 
 
+@pytest.mark.parametrize(("setting", "options"), [("broker_url", "broker_transport_options"),
+                                                   ("result_backend",
+                                                    "result_backend_transport_options")])
+def test_a_sentinel_list_needs_the_masters_name_from_somewhere(setting, options):
+    app = App("t", **{setting: LIST})
+    with pytest.raises(ConfigError) as raised:
+        app.connection()
+    assert (f"{setting} from App(...) keyword lists Redis Sentinels but not the master's "
+            f"name: end the list with ?master_name=<name>, or set master_name in {options}"
+            ) == str(raised.value)
+    assert App("t", **{setting: LIST, options: {"master_name": "m"}}).settings
+    # A Celery app run with -A may bring it in its own transport options.
+    celery_like = App("t")
+    celery_like.celery_transport_options[options] = {"master_name": "m"}
+    celery_like.configure(load_settings(code={setting: LIST}, env={}))
+
+
 @pytest.mark.parametrize(("settings", "error"), [
-    ({"broker_url": LIST}, "broker_url from App(...) keyword lists Redis Sentinels but not "
-                           "the master's name"),
-    ({"result_backend": LIST}, "result_backend from App(...) keyword lists Redis Sentinels"),
     ({"result_backend": "redis://a/0;redis://b/0"}, "a list of URLs (url;url) is not for redis"),
     ({"broker_url": "sentinel://h1;redis://h2"}, "share one scheme"),
     ({"broker_transport_options": "not json"}, "expected a table of options"),

@@ -15,7 +15,7 @@ from kombu.exceptions import EncodeError
 from ._state import current_app, current_context, new_task_id, set_current_app
 from .backends import Backend, RetryPolicy, backend_from_url
 from .builtins import register_builtins
-from .config import SETTINGS, ConfigError, Settings, load_settings
+from .config import SETTINGS, ConfigError, Settings, check_master_names, load_settings
 from .config.types import QUEUE_TYPES
 from .config.task_options import invalid
 from .forksafe import abandon
@@ -83,12 +83,16 @@ class App:
     @property
     def settings(self) -> Settings:
         if self._settings is None:
-            self._settings = load_settings(config_file=self.config_file, code=self.code_settings)
+            settings = load_settings(config_file=self.config_file, code=self.code_settings)
+            check_master_names(settings, self.celery_transport_options)
+            self._settings = settings
         return self._settings
 
     def configure(self, settings: Settings | None = None) -> None:
         """Install settings resolved elsewhere (the worker: with its config file, env, CLI);
         ``None`` re-reads them from their sources on next use."""
+        if settings is not None:
+            check_master_names(settings, self.celery_transport_options)
         self.close()
         self._settings = settings
         self.result_cache = ResultCache()

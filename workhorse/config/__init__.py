@@ -3,6 +3,7 @@ from .loader import (
     ConfigError,
     Settings,
     add_setting_arguments,
+    check_master_names,
     cli_values,
     load_settings,
     render_settings,
@@ -10,4 +11,4 @@ from .loader import (
 from .settings import SECTIONS, SETTINGS, Setting
 
 __all__ = ["ConfigError", "SECTIONS", "SETTINGS", "Setting", "Settings", "add_setting_arguments",
-           "cli_values", "load_settings", "render_settings"]
+           "check_master_names", "cli_values", "load_settings", "render_settings"]

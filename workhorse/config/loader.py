@@ -229,15 +229,23 @@ def _check_together(values: Mapping[str, Any], sources: Mapping[str, str]) -> No
             f"time_limit ({_num(hard)}) must be greater than soft_time_limit ({_num(soft)}): "
             f"time_limit from {sources['time_limit']}, soft_time_limit from "
             f"{sources['soft_time_limit']}")
+
+
+def check_master_names(settings: Settings,
+                       fallback: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """A ``sentinel://`` list needs the master's name: at the list's end, in its transport
+    options setting, or in ``fallback`` (a Celery app's options of those names, under -A).
+    Checked once the app is known, since a Celery app may bring it."""
     for url_setting, options_setting in (("broker_url", "broker_transport_options"),
                                          ("result_backend", "result_backend_transport_options")):
-        url = values[url_setting]
+        url = settings[url_setting]
         if (scheme_of(url) == SENTINEL and split_master_name(url)[1] is None
-                and not values[options_setting].get("master_name")):
+                and not settings[options_setting].get("master_name")
+                and not (fallback or {}).get(options_setting, {}).get("master_name")):
             raise ConfigError(
-                f"{url_setting} from {sources[url_setting]} lists Redis Sentinels but not the "
-                f"master's name: end the list with ?master_name=<name>, or set master_name in "
-                f"{options_setting}")
+                f"{url_setting} from {settings.source(url_setting)} lists Redis Sentinels but "
+                f"not the master's name: end the list with ?master_name=<name>, or set "
+                f"master_name in {options_setting}")
 
 
 def _num(value: float) -> str:

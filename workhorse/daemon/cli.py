@@ -17,6 +17,7 @@ from .. import __version__
 from ..app import App
 from ..config import (
     ConfigError,
+    check_master_names,
     Settings,
     add_setting_arguments,
     cli_values,
@@ -143,6 +144,7 @@ def resolve(args: argparse.Namespace,
     cli = cli_values(args)
     settings = load_settings(config_file=args.config, cli=cli)
     if not settings.app and (modules is None or modules.spec is None):
+        check_master_names(settings)
         return settings, None
     app = (modules or AppModules()).load(settings.app or "")
     settings = load_settings(config_file=args.config or app.config_file,
