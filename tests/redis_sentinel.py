@@ -8,17 +8,20 @@ the set's base directory, so nothing is shared with the Redis the rest of the su
 (port 6379 is never touched). A process is killed with SIGKILL of its whole process group,
 as a machine that loses power would lose it, and is started again with the same command a
 supervisor would run: a killed master comes back a master of its own, and the sentinels
-turn it into a replica of the new master (``+convert-to-slave``, once it has been up for
-``failover-timeout``).
+turn it into a replica of the new master (``+convert-to-slave``) some 10 s later, once it
+has reported that role for 8 s, at their next INFO of it.
 
 No server persists anything (``--save "" --appendonly no``): a killed server comes back
 empty. That is safe here only because a test restarts a killed master after the failover;
 restarted before the sentinels saw it down, it would be an empty master again and its
-replica would copy the emptiness.
+replica would copy the emptiness. Until the sentinels convert it, a restarted master takes
+writes from a client that connects to it directly, and loses them at its first sync.
 
 Sentinel times are short: a master is down after 1 s without a reply, a failover that
 stalls is retried after 10 s (twice ``failover-timeout``), so failover takes a few seconds,
-and rarely (when two sentinels split the vote) some 12 s.
+and rarely (when two sentinels split the vote) some 12 s. A sentinel whose timer runs more
+than 2 s late (a machine overloaded or paused) enters TILT mode and acts on nothing for
+30 s.
 
 Celery and kombu take the set as ``urls()`` with
 ``broker_transport_options = {"master_name": sentinel_set.master_name}``.
