@@ -189,6 +189,51 @@ def test_children_are_forked_only_while_the_control_thread_is_parked():
         assert free
 
 
+@pytest.mark.parametrize("polled", [True, False], ids=["polled (SQLite)", "select (Redis, AMQP)"])
+def test_a_polled_broker_is_read_with_the_fork_gate_held(polled):
+    """SQLite's connection "waits" for commands by reading the file every 50 ms. A child
+    forked while the control thread was inside SQLite inherited SQLite's process-wide locks
+    held and hung in its first connect, the task it ran with it (test_signals' reload test
+    failed so in two CI runs). Each read is made with the gate held; the thread parks only
+    between reads. A connection that waits in select() is waited on parked."""
+    from types import SimpleNamespace
+
+    from workhorse.daemon.control import ControlThread
+    thread = ControlThread(None, "gate@test", view=lambda: None,  # type: ignore[arg-type]
+                           steerable=None, revokes_read=lambda _: None,  # type: ignore[arg-type]
+                           where="test")
+    held_while_reading: list[bool] = []
+
+    def drain_events(timeout: float) -> None:
+        held_while_reading.append(thread.gate.locked())
+        if not polled:
+            time.sleep(timeout)
+        raise TimeoutError
+    connection = SimpleNamespace(drain_events=drain_events, transport=SimpleNamespace(
+        polling_interval=0.01 if polled else None))
+    forked: list[bool] = []
+
+    def fork_meanwhile() -> None:           # the loop thread's try, as it would fork
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not forked:
+            if thread.gate.acquire(timeout=0.002):
+                forked.append(True)
+                thread.gate.release()
+    other = threading.Thread(target=fork_meanwhile)
+    thread.gate.acquire()                   # the control thread holds it but to wait
+    other.start()
+    try:
+        thread._wait(connection, 0.3)
+    finally:
+        thread.gate.release()
+        other.join(10)
+    assert forked, "the thread never parked while it waited"
+    if polled:
+        assert len(held_while_reading) >= 5 and all(held_while_reading)
+    else:
+        assert held_while_reading == [False]
+
+
 class _SlowGate:
     """A fork gate whose release takes ``delay``: the control thread descheduled each time
     it is about to wait for commands (a loaded machine)."""

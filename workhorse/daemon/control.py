@@ -8,9 +8,9 @@ waits at most ``ASK_TIMEOUT`` for the snapshot (``WorkerView``); the loop never 
 control thread, a client or the broker. A malformed command is logged and dropped.
 
 Forks: the loop thread forks children only while this thread is ``parked`` (as the broker
-thread's): its gate is held while it connects and while it publishes a reply, and released
-while it waits for commands in ``drain_events`` (its consumer takes no acks, so a child
-forked meanwhile inherits no message to give back).
+thread's): its gate is held while it connects, publishes a reply or reads a polled broker
+(SQLite), and released only while it waits in select() or sleeps between polls (its consumer
+takes no acks, so a child forked meanwhile inherits no message to give back).
 """
 from __future__ import annotations
 
@@ -98,14 +98,39 @@ class ControlThread(ServiceThread):
                 self._wait(connection, 1.0)
 
     def _wait(self, connection: Any, timeout: float) -> None:
-        """Deliver the commands that come within ``timeout``, parked meanwhile."""
-        self.gate.release()
-        try:
-            connection.drain_events(timeout=timeout)
-        except TimeoutError:
-            pass
-        finally:
-            self.gate.acquire()
+        """Deliver the commands that come within ``timeout``, parked while nothing runs.
+
+        A broker whose connection waits in select() (Redis, RabbitMQ) is waited on parked.
+        A polled one (SQLite: kombu's virtual transport reads the file every
+        ``polling_interval`` while it "waits") is read with the gate held and slept on
+        parked: a child forked while this thread is inside SQLite inherits SQLite's
+        process-wide locks held, and hangs for good in its first ``sqlite3.connect``
+        (the result it was about to store, and the worker's slot, with it)."""
+        interval = getattr(connection.transport, "polling_interval", None)
+        if interval is None:
+            self.gate.release()
+            try:
+                connection.drain_events(timeout=timeout)
+            except TimeoutError:
+                pass
+            finally:
+                self.gate.acquire()
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                connection.drain_events(timeout=0)      # one read of the file
+                return
+            except TimeoutError:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0 or self.stopping:
+                return
+            self.gate.release()
+            try:
+                self._stopping.wait(min(interval, left))
+            finally:
+                self.gate.acquire()
 
     def _confirm_listening(self, connection: Any, mailbox: pidbox.Mailbox, node: _Node
                            ) -> None:
