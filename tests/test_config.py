@@ -62,6 +62,7 @@ SAMPLES = {
     "result_expires": ("60", 60.0),
     "acks_late": ("false", False),
     "remote_control": ("off", False),
+    "schedules": ("false", False),
     "send_events": ("yes", True),
     "heartbeat_events": ("0", False),
     "metrics_port": ("9808", 9808),

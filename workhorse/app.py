@@ -27,6 +27,7 @@ from .task import Task, resolve_times
 from .transport.rabbitmq import BrokerBlocked
 
 if TYPE_CHECKING:
+    from .schedules.entries import Entry
     from .canvas import Signature
 
 __all__ = ["App", "BROKER_TIMEOUT", "PUBLISH_RETRY_POLICY", "SEND_OPTIONS", "current_app",
@@ -75,6 +76,9 @@ class App:
         #: A Celery app's broker_transport_options and result_backend_transport_options
         #: (under -A), used where workhorse's settings of those names are not set.
         self.celery_transport_options: dict[str, dict[str, Any]] = {}
+        #: A Celery app's beat_schedule (under -A), as schedule entries; the config
+        #: files' entries of the same names replace them.
+        self.celery_schedule: list[Entry] = []
         self.result_cache = ResultCache()
         register_builtins(self)
         set_current_app(self)

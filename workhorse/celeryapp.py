@@ -22,8 +22,11 @@ from typing import Any
 
 from ._state import current_context
 from .app import App
+from .config import ConfigError
 from .exceptions import Ignore, Reject, Retry
 from .protocol import custom_headers
+from .schedules.celery import beat_entries
+from .schedules.entries import EntryError
 
 #: Celery task attributes that are workhorse task options of the same meaning.
 _OPTIONS = ("acks_late", "reject_on_worker_lost", "acks_on_failure_or_timeout", "time_limit",
@@ -46,6 +49,10 @@ def from_celery(celery_app: Any, main: str | None = None) -> App:
         options = celery_app.conf.get(name)
         if isinstance(options, dict) and options:
             app.celery_transport_options[name] = dict(options)
+    try:
+        app.celery_schedule = beat_entries(celery_app)
+    except EntryError as exc:
+        raise ConfigError(str(exc)) from None
     for name, task in sorted(celery_app.tasks.items()):
         if name.startswith("celery.") or name in app.tasks:
             continue
@@ -139,4 +146,5 @@ def _celery_request(context: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
         "reply_to": (context.properties or {}).get("reply_to"),
         "correlation_id": (context.properties or {}).get("correlation_id"),
         "properties": context.properties,
+        "schedule": context.schedule, "nominal_time": context.nominal_time,
     }

@@ -85,6 +85,12 @@ class TaskMessage:
     properties: dict[str, Any]
 
 
+#: Headers of a task sent by a schedule: its name, and the due time it is for (ISO 8601 in
+#: the schedule's time zone); a task reads them as self.request.schedule / .nominal_time.
+SCHEDULE_HEADER = "workhorse_schedule"
+NOMINAL_HEADER = "workhorse_nominal_time"
+
+
 def build_message(
     task: str,
     task_id: str,

@@ -53,6 +53,9 @@ class Context:
     chord: dict[str, Any] | None = None
     #: Results of the tasks this task sent while running (stored with its result).
     children: list[Any] = field(default_factory=list)
+    #: Sent by a schedule: its name, and the due time this run is for (in its time zone).
+    schedule: str | None = None
+    nominal_time: datetime | None = None
 
 
 class _Unset:

@@ -6,12 +6,13 @@ import logging
 import random
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
 from ..sqlitedb import said
+from ..transport.fenced import Record, Ticket
 from ..exceptions import ResultEncodeError, TaskRevokedError, TimeoutError
 from ..states import FAILURE, PENDING, READY_STATES, RETRY, REVOKED, STARTED, SUCCESS
 from .encoding import build_meta, describe_exception, dumps, encode_exception, loads
@@ -281,6 +282,56 @@ class Backend(ABC):
     def _no_claims(self) -> str:
         return (f"{type(self).__name__} does not support claims, which idempotent tasks "
                 "need: use a result_backend that does (sqlite:// or redis://)")
+
+    # -- the fences of periodic tasks (``workhorse.transport.fenced``), where the broker
+    # cannot hold them in the step that publishes (RabbitMQ): moved here, then published.
+    def move_fence(self, ticket: Ticket) -> tuple[bool, Record | None]:
+        """Move ``ticket``'s fence if its record is older: (True, None). Refused: (False,
+        holder); moved by this ticket before (a retried call): (True, holder)."""
+        return self.retrying(f"moving the fence of schedule {ticket.name}",
+                             lambda: self._move_fence(ticket))
+
+    def settle_fence(self, ticket: Ticket, record: Record) -> None:
+        """Replace ``ticket``'s record by ``record`` (its publish done, or failed: the
+        fence goes back to ``record``) if the fence still holds ``ticket``'s; and drop
+        ``ticket`` from the pending due times if it is still there as it was."""
+        self.retrying(f"settling the fence of schedule {ticket.name}",
+                      lambda: self._settle_fence(ticket, record))
+
+    def fence_records(self, names: Iterable[str]) -> dict[str, Record]:
+        names = list(names)
+        return self.retrying("reading the fences of schedules",
+                             lambda: self._fence_records(names))
+
+    def pending_fences(self, name: str) -> list[Record]:
+        """``name``'s due times moved by ``move_fence`` and not settled yet."""
+        return self.retrying(f"reading the pending due times of schedule {name}",
+                             lambda: self._pending_fences(name))
+
+    def take_pending(self, name: str, old: Record, new: Record) -> bool:
+        """Replace the pending ``old`` by ``new`` (another worker takes over its publish),
+        if it is still there as it was."""
+        return self.retrying(f"taking over a due time of schedule {name}",
+                             lambda: self._take_pending(name, old, new))
+
+    def _pending_fences(self, name: str) -> list[Record]:
+        raise NotImplementedError(self._no_fences())
+
+    def _take_pending(self, name: str, old: Record, new: Record) -> bool:
+        raise NotImplementedError(self._no_fences())
+
+    def _move_fence(self, ticket: Ticket) -> tuple[bool, Record | None]:
+        raise NotImplementedError(self._no_fences())
+
+    def _settle_fence(self, ticket: Ticket, record: Record) -> None:
+        raise NotImplementedError(self._no_fences())
+
+    def _fence_records(self, names: list[str]) -> dict[str, Record]:
+        raise NotImplementedError(self._no_fences())
+
+    def _no_fences(self) -> str:
+        return (f"{type(self).__name__} cannot hold the fences of periodic tasks: use a "
+                "result_backend that can (sqlite:// or redis://)")
 
     # -- revoked tasks, shared by every worker on this store (remote control's revoke):
     # entries (``workhorse.control.revoked``) with their expiry in epoch seconds.

@@ -20,6 +20,8 @@ from ..control.revoked import REVOKES_MAX
 from ..exceptions import TimeoutError
 from ..states import READY_STATES
 from ..urls import SENTINEL, scheme_of, sentinels, split_master_name
+from ..transport import fenced
+from ..transport.fenced import Record, Ticket
 from .base import CLAIM_DONE, Backend, ChordCompletion, ChordPart, Claim
 from .encoding import dumps, loads
 
@@ -129,6 +131,28 @@ def _milliseconds(ttl: float) -> int:
     return max(1, math.ceil(ttl * 1000))
 
 
+#: The fence's settling (``Backend.settle_fence``). KEYS: the record. ARGV: the ticket's
+#: task id, the new nominal time, the new record.
+_SETTLE_FENCE = """
+local current = redis.call('HGET', KEYS[1], 'record')
+if current and cjson.decode(current)['task_id'] == ARGV[1] then
+    redis.call('HSET', KEYS[1], 'nominal', ARGV[2], 'record', ARGV[3])
+end
+if redis.call('HGET', KEYS[2], ARGV[4]) == ARGV[5] then
+    redis.call('HDEL', KEYS[2], ARGV[4])
+end
+return 0
+"""
+#: A pending due time taken over. KEYS: the pending hash. ARGV: its nominal, old, new.
+_TAKE_PENDING = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+    redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+    return 1
+end
+return 0
+"""
+
+
 class RedisBackend(Backend):
     """``SETEX`` + ``PUBLISH`` in one MULTI/EXEC; waiting clients subscribe, then GET once."""
 
@@ -186,6 +210,34 @@ class RedisBackend(Backend):
     def _ex(self) -> int | None:
         """``result_expires`` as SET's EX (whole seconds, at least one); None: no expiry."""
         return max(1, int(self.expires)) if self.expires else None
+
+    # -- fences of periodic tasks
+    def _move_fence(self, ticket: Ticket) -> tuple[bool, Record | None]:
+        answer = self.client.eval(fenced.REDIS_MOVE, 3, fenced.redis_key(ticket.name), "",
+                                  fenced.redis_pending_key(ticket.name),
+                                  repr(ticket.record.nominal), ticket.record.dumps(),
+                                  ticket.record.task_id, "")
+        return fenced.redis_answer(ticket, answer)
+
+    def _settle_fence(self, ticket: Ticket, record: Record) -> None:
+        self.client.eval(_SETTLE_FENCE, 2, fenced.redis_key(ticket.name),
+                         fenced.redis_pending_key(ticket.name), ticket.record.task_id,
+                         repr(record.nominal), record.dumps(), repr(ticket.record.nominal),
+                         ticket.record.dumps())
+
+    def _pending_fences(self, name: str) -> list[Record]:
+        found = self.client.hvals(fenced.redis_pending_key(name))
+        records = [r for text in found if (r := fenced.record_or_none(text)) is not None]
+        return sorted(records, key=lambda r: r.nominal)
+
+    def _take_pending(self, name: str, old: Record, new: Record) -> bool:
+        return bool(self.client.eval(_TAKE_PENDING, 1, fenced.redis_pending_key(name),
+                                     repr(old.nominal), old.dumps(), new.dumps()))
+
+    def _fence_records(self, names: list[str]) -> dict[str, Record]:
+        texts = [self.client.hget(fenced.redis_key(name), "record") for name in names]
+        return {name: record for name, text in zip(names, texts, strict=True)
+                if text and (record := fenced.record_or_none(text)) is not None}
 
     # -- task results
     def _set(self, task_id: str, state: str, payload: str) -> None:

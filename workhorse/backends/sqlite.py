@@ -25,13 +25,15 @@ from typing import Any, TypeVar
 from .. import sqlitedb
 from ..control.revoked import REVOKES_MAX
 from ..forksafe import abandon
+from ..transport import fenced
+from ..transport.fenced import Record, Ticket
 from .base import Backend, ChordCompletion, ChordPart, Claim
 from .encoding import dumps, loads
 
 # Files made by an older version get the tables they lack when opened (sqlitedb.connect runs
 # the script, all IF NOT EXISTS, while user_version is below this): 3 added claims, 4
 # revoked.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5      # 5: the periodic tasks' fences
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS task_results (
     task_id    TEXT PRIMARY KEY,
@@ -73,7 +75,7 @@ CREATE TABLE IF NOT EXISTS revoked (
     entry      TEXT PRIMARY KEY,  -- id:<task id> or stamp:<json [header, value]>
     expires_at REAL NOT NULL
 );
-"""
+""" + fenced.SQLITE_SCHEMA + fenced.SQLITE_PENDING_SCHEMA
 #: How long a claim on a completed chord holds before another caller may take over (the
 #: claimer crashed before dispatching the body).
 CHORD_CLAIM_SECONDS = 30.0
@@ -291,6 +293,38 @@ class SQLiteBackend(Backend):
     def _finish_claim(self, key: str) -> None:
         self.conn.execute("INSERT OR REPLACE INTO claims (key, owner, until, done, expires_at) "
                           "VALUES (?, NULL, NULL, 1, ?)", (key, self._expiry()))
+
+    # -- fences of periodic tasks
+    def _move_fence(self, ticket: Ticket) -> tuple[bool, Record | None]:
+        with self._immediate() as conn:
+            moved, holder = fenced.sqlite_move(conn, ticket)
+            if moved and holder is None:
+                conn.execute(f"INSERT OR REPLACE INTO {fenced.SQLITE_PENDING} (name, nominal, "
+                             "record) VALUES (?, ?, ?)",
+                             (ticket.name, ticket.record.nominal, ticket.record.dumps()))
+            return moved, holder
+
+    def _settle_fence(self, ticket: Ticket, record: Record) -> None:
+        with self._immediate() as conn:
+            conn.execute(f"UPDATE {fenced.SQLITE_TABLE} SET nominal = ?, record = ? "
+                         "WHERE name = ? AND json_extract(record, '$.task_id') = ?",
+                         (record.nominal, record.dumps(), ticket.name, ticket.record.task_id))
+            conn.execute(f"DELETE FROM {fenced.SQLITE_PENDING} WHERE name = ? AND nominal = ? "
+                         "AND record = ?",
+                         (ticket.name, ticket.record.nominal, ticket.record.dumps()))
+
+    def _pending_fences(self, name: str) -> list[Record]:
+        rows = self.conn.execute(f"SELECT record FROM {fenced.SQLITE_PENDING} WHERE name = ? "
+                                 "ORDER BY nominal", (name,)).fetchall()
+        return [r for (text,) in rows if (r := fenced.record_or_none(text)) is not None]
+
+    def _take_pending(self, name: str, old: Record, new: Record) -> bool:
+        return self.conn.execute(
+            f"UPDATE {fenced.SQLITE_PENDING} SET record = ? WHERE name = ? AND nominal = ? AND "
+            "record = ?", (new.dumps(), name, old.nominal, old.dumps())).rowcount == 1
+
+    def _fence_records(self, names: list[str]) -> dict[str, Record]:
+        return fenced.sqlite_records(self.conn, names)
 
     # -- revoked
     def _save_revoked(self, entries: Mapping[str, float]) -> None:

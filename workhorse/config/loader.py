@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..schedules.entries import Entry, EntryError, from_table, merge
 from .settings import BY_NAME, SECTIONS, SETTINGS, Setting
 from ..urls import SENTINEL, redact, scheme_of, split_master_name
 from .types import Invalid
@@ -21,6 +22,8 @@ ENV_PREFIX = "WORKHORSE_"
 DROP_IN_DIR = "workhorse.d"
 TOML_SUFFIXES = (".toml",)
 INI_SUFFIXES = (".ini", ".conf", ".cfg")
+#: The config files' periodic tasks: [[schedule]] (TOML) or [schedule.NAME] (TOML, INI).
+SCHEDULE_SECTION = "schedule"
 
 
 class ConfigError(Exception):
@@ -40,10 +43,13 @@ class Settings:
     """The resolved settings, immutable; each value remembers its source."""
 
     def __init__(self, values: Mapping[str, Any], sources: Mapping[str, str],
-                 config_files: tuple[Path, ...]) -> None:
+                 config_files: tuple[Path, ...], schedule: tuple[Entry, ...] = ()) -> None:
         self._values = dict(values)
         self._sources = dict(sources)
         self.config_files = config_files
+        #: The [[schedule]] entries of the config files (a drop-in's replaces the main
+        #: file's of the same name).
+        self.schedule = schedule
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -104,6 +110,8 @@ def read_toml(path: Path) -> dict[str, Raw]:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     found: dict[str, Raw] = {}
     for section, table in data.items():
+        if section == SCHEDULE_SECTION:
+            continue            # read by read_schedule
         if not isinstance(table, dict):
             home = f"; put it under [{BY_NAME[section].section}]" if section in BY_NAME else ""
             raise ConfigError(f"{path}: {section} = {table!r} is outside any [section]{home}")
@@ -129,6 +137,8 @@ def read_ini(path: Path) -> dict[str, Raw]:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     found: dict[str, Raw] = {}
     for section in parser.sections():
+        if section.startswith(SCHEDULE_SECTION + "."):
+            continue            # read by read_schedule
         _check_section(path, section)
         for key, value in parser.items(section):
             _check_key(path, section, key)
@@ -144,6 +154,41 @@ def read_file(path: Path) -> dict[str, Raw]:
         return read_ini(path)
     raise ConfigError(f"{path}: unknown config file type {suffix or '(no extension)'!r}; "
                       f"accepted: {', '.join(TOML_SUFFIXES + INI_SUFFIXES)}")
+
+
+def read_schedule(path: Path) -> list[Entry]:
+    """The schedule entries of one config file: TOML ``[[schedule]]`` tables (each with
+    its ``name``) or ``[schedule.NAME]`` tables; INI ``[schedule.NAME]`` sections, whose
+    args and kwargs are JSON."""
+    tables: list[dict[str, Any]] = []
+    if path.suffix.lower() in TOML_SUFFIXES:
+        data = tomllib.loads(path.read_text())        # (read_toml checked it)
+        value = data.get(SCHEDULE_SECTION)
+        if value is None:
+            return []
+        if isinstance(value, list) and all(isinstance(v, dict) for v in value):
+            tables = [dict(v) for v in value]
+        elif isinstance(value, dict) and all(isinstance(v, dict) for v in value.values()):
+            for name, table in value.items():
+                if "name" in table and table["name"] != name:
+                    raise ConfigError(f"{path} [schedule.{name}]: name = {table['name']!r} "
+                                      "differs from the table's name")
+                tables.append({**table, "name": name})
+        else:
+            raise ConfigError(f"{path}: schedule must be [[schedule]] tables (each with a "
+                              "name) or [schedule.NAME] tables")
+    else:
+        parser = configparser.ConfigParser(interpolation=None, default_section="\0none")
+        parser.optionxform = str  # type: ignore[assignment,method-assign]
+        parser.read_string(path.read_text(), str(path))
+        for section in parser.sections():
+            if section.startswith(SCHEDULE_SECTION + "."):
+                name = section[len(SCHEDULE_SECTION) + 1:]
+                tables.append({**dict(parser.items(section)), "name": name})
+    try:
+        return [from_table(table, str(path)) for table in tables]
+    except EntryError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def config_files(config_file: str | os.PathLike[str] | None,
@@ -260,7 +305,9 @@ def load_settings(*, config_file: str | os.PathLike[str] | None = None,
     files = config_files(config_file, env)
     layers = [read_code(code or {}), *(read_file(path) for path in files), read_env(env),
               read_cli(cli or {})]
-    return resolve(layers, files)
+    settings = resolve(layers, files)
+    settings.schedule = tuple(merge([entry for path in files for entry in read_schedule(path)]))
+    return settings
 
 
 # ---------------------------------------------------------------- command line

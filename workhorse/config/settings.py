@@ -156,6 +156,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("hostname", "worker", t.text(), lambda _: "workhorse@" + socket.gethostname(),
             "This worker's name in logs and in results.", default_doc="workhorse@<host name>",
             cli=("-n",), reload=False),
+    Setting("schedules", "worker", t.boolean(), True,
+            "Send the periodic tasks of the [[schedule]] entries (and of a Celery app's "
+            "beat_schedule) when they are due; false: this worker never sends them. Any "
+            "number of workers may: each due time is sent once."),
     Setting("remote_control", "worker", t.boolean(), True,
             "Answer Celery's broadcast mailbox (celery inspect, workhorse inspect, Flower) on "
             "a broker connection of its own.", reload=False),

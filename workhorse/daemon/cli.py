@@ -1,5 +1,5 @@
 """The ``workhorse`` command: ``worker``, ``config``, ``inspect``, ``control``, ``dead``,
-``health``."""
+``health``, ``schedules``."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,7 @@ import traceback
 from collections.abc import Callable
 from collections.abc import Sequence
 from dataclasses import asdict
+from datetime import UTC, datetime
 
 from kombu import Connection
 
@@ -32,6 +33,10 @@ from ..protocol import dead_letter_queue
 from .appload import AppModules
 from ..broker.deadletters import Done, list_dead, purge_dead, requeue_dead
 from .exitcodes import ExitCode
+from ..schedules.entries import entries_for, iso
+from ..schedules.fence import can_fence, fence_for
+from ..transport.fenced import Record
+from ..urls import redact
 from .hostfiles import (
     HEALTH_MAX_AGE,
     PidfileTaken,
@@ -97,6 +102,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"how old the file may be (default {HEALTH_MAX_AGE:g})")
     _add_common(health)
 
+    schedules = commands.add_parser(
+        "schedules", help="the periodic tasks: list them, or print a schedule's due times",
+        description="list: each schedule entry, its next due time and the last one sent "
+                    "(and by which worker), read from the broker or result store. next: the "
+                    "next due times of one entry of the config files, needing neither a "
+                    "broker nor the task module.")
+    schedules.add_argument("action", choices=("list", "next"))
+    schedules.add_argument("name", nargs="?", metavar="NAME", help="next: the entry's name")
+    schedules.add_argument("--after", metavar="ISO-TIME",
+                           help="next: due times after this (ISO 8601 with an offset, e.g. "
+                                "2027-03-27T12:00+01:00; default: now)")
+    schedules.add_argument("--count", type=int, default=5, metavar="N",
+                           help="next: how many due times (default 5)")
+    schedules.add_argument("--json", action="store_true", help="list: as one JSON object")
+    _add_common(schedules)
+
     dead = commands.add_parser(
         "dead", help="look at, replay or drop dead-lettered messages",
         description="Dead letters of each consumed queue are in <queue>.dead.")
@@ -157,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     modules = AppModules()
+    if args.command == "schedules" and args.action == "next":
+        return _schedules_next(args)
     try:
         settings, app = resolve(args, modules)
     except ConfigError as exc:
@@ -171,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _config(args, settings)
     if args.command == "dead":
         return _dead(args, settings, app)
+    if args.command == "schedules":
+        return _schedules_list(args, settings, app)
     if args.command in ("inspect", "control"):
         return _broadcast(args, settings, app)
     if args.command == "health":
@@ -207,6 +232,14 @@ def _worker(args: argparse.Namespace, settings: Settings, app: App | None,
         new_settings, new_app = resolve(args, modules)
         assert new_app is not None      # a reload imports the app it started with
         return new_settings, new_app
+    entries = entries_for(settings.schedule, app.celery_schedule)
+    if settings.schedules and entries and not can_fence(settings.broker_url, app.backend):
+        print(f"workhorse: configuration error: {len(entries)} schedule entries, but neither "
+              f"the broker ({redact(settings.broker_url)}) nor the result store "
+              f"({redact(settings.result_backend)}) can hold their fences, which keep each "
+              "due time from being sent twice: use a sqlite:// or redis:// result_backend, "
+              "or set schedules = false on this worker", file=sys.stderr)
+        return ExitCode.CONFIG
     pidfile = settings.pidfile
     if pidfile is not None:
         try:
@@ -324,3 +357,89 @@ def _dead_act(connection: Connection, pairs: list[tuple[str, str]], action: str,
         failed = True
         print(f"{', '.join(dead for dead, _ in pairs)}\t{missing}\tnot found")
     return ExitCode.FAILURE if failed else ExitCode.OK
+
+
+def _schedules_next(args: argparse.Namespace) -> int:
+    """``workhorse schedules next NAME``: from the config files alone."""
+    try:
+        settings = load_settings(config_file=args.config, cli=cli_values(args))
+    except ConfigError as exc:
+        print(f"workhorse: configuration error: {exc}", file=sys.stderr)
+        return ExitCode.CONFIG
+    found = {entry.name: entry for entry in settings.schedule}
+    if not args.name or args.name not in found:
+        known = ", ".join(sorted(found)) or "none in the config files"
+        what = f"no schedule named {args.name!r}" if args.name else "give the schedule's name"
+        print(f"workhorse: schedules next: {what} (schedules: {known})", file=sys.stderr)
+        return ExitCode.CONFIG
+    if args.count < 1:
+        print("workhorse: schedules next: --count must be at least 1", file=sys.stderr)
+        return ExitCode.CONFIG
+    entry = found[args.name]
+    if args.after is None:
+        after = datetime.now(UTC)
+    else:
+        try:
+            given: datetime | None = datetime.fromisoformat(args.after)
+        except ValueError:
+            given = None
+        if given is None or given.tzinfo is None:
+            print(f"workhorse: schedules next: --after {args.after!r}: expected an ISO 8601 "
+                  "time with its offset, e.g. 2027-03-27T12:00+01:00", file=sys.stderr)
+            return ExitCode.CONFIG
+        after = given
+    for _ in range(args.count):
+        after = entry.timing.next_after(after)
+        print(iso(after, entry.tz))
+    return ExitCode.OK
+
+
+def _schedules_list(args: argparse.Namespace, settings: Settings, app: App | None) -> int:
+    """``workhorse schedules list``: each entry, its next due time, the last one sent."""
+    entries = entries_for(settings.schedule, app.celery_schedule if app else [])
+    app = app or App("workhorse-schedules")
+    app.configure(settings)
+    records: dict[str, Record] = {}
+    trouble = None
+    try:
+        with app.connection() as connection:
+            connection.ensure_connection(max_retries=1)
+            fence = fence_for(connection, app.backend)
+            if fence is None:
+                trouble = "neither the broker nor the result store can hold fences"
+            else:
+                records = fence.records(entry.name for entry in entries)
+    except Exception as exc:  # noqa: BLE001 - the entries are still worth printing
+        trouble = f"could not read what was sent: {exc!r}"
+    now = datetime.now(UTC)
+    rows = []
+    for entry in entries:
+        due = entry.timing.next_after(now)
+        record = records.get(entry.name)
+        rows.append({
+            "name": entry.name, "task": entry.task, "when": entry.timing.describe(),
+            "catchup": entry.catchup, "misfire_grace": entry.misfire_grace,
+            "next": iso(due, entry.tz), "next_utc": iso(due),
+            "last_sent": None if record is None else iso(record.nominal, entry.tz),
+            "last_sent_by": None if record is None else record.by,
+            "last_task_id": None if record is None else record.task_id,
+            "last_state": None if record is None else record.state,
+            "source": entry.source})
+    if args.json:
+        print(json.dumps({"schedules": rows, "error": trouble}))
+    else:
+        if not rows:
+            print("no schedule entries (see [[schedule]] in the README)")
+        for row in rows:
+            last = ("never" if row["last_sent"] is None else
+                    f"{row['last_sent']} by {row['last_sent_by']} ({row['last_task_id']}"
+                    + (", not confirmed)" if row["last_state"] == "sending" else ")"))
+            print(f"{row['name']}: {row['task']}, {row['when']}, catchup {row['catchup']}\n"
+                  f"    next: {row['next']} ({row['next_utc']})\n"
+                  f"    last sent: {last}")
+        if not settings.schedules:
+            print("(schedules = false: this configuration's workers send none of them)")
+    if trouble:
+        print(f"workhorse: schedules list: {trouble}", file=sys.stderr)
+        return ExitCode.FAILURE
+    return ExitCode.OK

@@ -46,10 +46,20 @@ class Metrics:
         self.dead_lettered = 0
         self.broker_connections = 0
         self.loop_lag = 0.0
+        self.schedules_sent: Counter[str] = Counter()      # schedule -> due times sent here
+        self.schedules_skipped: Counter[str] = Counter()   # schedule -> due times missed
+        self.schedules_late: dict[str, float] = {}         # schedule -> the last one's lateness
 
     # ------------------------------------------------------------------ loop thread
     def settled(self, task: str, outcome: str) -> None:
         self.tasks[task, outcome] += 1
+
+    def schedule_sent(self, name: str, late: float) -> None:
+        self.schedules_sent[name] += 1
+        self.schedules_late[name] = late
+
+    def schedule_skipped(self, name: str, count: int) -> None:
+        self.schedules_skipped[name] += count
 
     def child_exited(self, reason: str) -> None:
         self.child_exits[reason] += 1
@@ -79,18 +89,12 @@ class Metrics:
                 buckets.append((bound, cumulative))
             runtime.add_metric([task], buckets, total)
         yield runtime
-        held = GaugeMetricFamily("workhorse_messages_held", "Messages the supervisor holds, "
-                                 "by stage (buffered, scheduled, running, storing).",
-                                 labels=["stage"])
-        for stage, count in self.held().items():
-            held.add_metric([stage], count)
-        yield held
-        exits = CounterMetricFamily("workhorse_child_restarts", "Children replaced, by why "
-                                    "the last one ended (crashed, recycled, time_limit, "
-                                    "terminated, ...).", labels=["reason"])
-        for reason, count in dict(self.child_exits).items():
-            exits.add_metric([reason], count)
-        yield exits
+        yield _labelled(GaugeMetricFamily, "workhorse_messages_held", "Messages the "
+                        "supervisor holds, by stage (buffered, scheduled, running, storing).",
+                        "stage", self.held())
+        yield _labelled(CounterMetricFamily, "workhorse_child_restarts", "Children replaced, "
+                        "by why the last one ended (crashed, recycled, time_limit, "
+                        "terminated, ...).", "reason", self.child_exits)
         yield CounterMetricFamily("workhorse_dead_lettered", "Messages dead-lettered.",
                                   value=self.dead_lettered)
         yield CounterMetricFamily("workhorse_broker_connections", "Broker connections made "
@@ -99,9 +103,27 @@ class Metrics:
         yield CounterMetricFamily("workhorse_lease_renewals", "Leases renewed (Redis, SQLite: "
                                   "a held message kept from other workers).",
                                   value=self.lease_renewals())
+        yield _labelled(CounterMetricFamily, "workhorse_schedule_sent", "Due times of "
+                        "periodic tasks this worker sent, by schedule.", "schedule",
+                        self.schedules_sent)
+        yield _labelled(CounterMetricFamily, "workhorse_schedule_skipped", "Due times of "
+                        "periodic tasks missed and not sent (catchup, misfire_grace), by "
+                        "schedule.", "schedule", self.schedules_skipped)
+        yield _labelled(GaugeMetricFamily, "workhorse_schedule_late_seconds", "How long "
+                        "after its due time this worker sent a schedule's last task.",
+                        "schedule", self.schedules_late)
         yield GaugeMetricFamily("workhorse_loop_lag_seconds", "How late the supervisor's "
                                 "loop last ran a timer: its turns are this slow.",
                                 value=self.loop_lag)
+
+
+def _labelled(family: type[Any], name: str, text: str, label: str,
+              values: Mapping[str, float]) -> Metric:
+    """A family with one label, from a dict the loop thread writes (copied in one step)."""
+    metric = family(name, text, labels=[label])
+    for key, value in dict(values).items():
+        metric.add_metric([key], value)
+    return metric
 
 
 class _Collector(Collector):

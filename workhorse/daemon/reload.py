@@ -38,7 +38,7 @@ def keep_restart_only(running: Settings, loaded: Settings) -> Settings:
                         values[name], running[name])
             values[name] = running[name]
     return Settings(values, {s.name: loaded.source(s.name) for s in SETTINGS},
-                    loaded.config_files)
+                    loaded.config_files, loaded.schedule)
 
 
 class Reload:
@@ -52,6 +52,8 @@ class Reload:
         self.settlement = settlement
         self.clock = clock
         self.on_change = on_change
+        #: Told the settings and app a reload applied (the schedule thread's entries).
+        self.on_reloaded: Callable[[Settings, App], None] | None = None
 
     def reload(self) -> None:
         """Read config and code again; every child is replaced by one forked afterwards
@@ -85,6 +87,8 @@ class Reload:
         self.resize(settings.concurrency, "reload")
         log.info("reloaded: %d children, tasks %s", settings.concurrency,
                  ", ".join(sorted(app.tasks)) or "(none registered)")
+        if self.on_reloaded is not None:
+            self.on_reloaded(settings, app)
 
     def resize(self, size: int, why: str) -> None:
         """Grow or shrink the pool to ``size`` children; the prefetch window follows."""

@@ -37,6 +37,8 @@ from ..pool.ipc import Done
 from ..pool.runtime import ChildRuntime
 from ..protocol import HELD_LOSSES_HEADER
 from ..sqlitedb import said
+from ..schedules.entries import Entry as ScheduleEntry
+from ..schedules.entries import entries_for
 from ..urls import redact
 from . import systemd
 from .delivery import Delivery, Stage
@@ -56,6 +58,7 @@ from .events import EventThread, TaskEvents
 from .hostfiles import HEALTH_INTERVAL, health_path, write_health
 from ..logs import reopen_logfile
 from .metrics import Metrics, MetricsServer
+from .schedules import ScheduleThread, Sent
 from .service import ServiceThread
 from .steering import Steering
 from .settlement import Settlement
@@ -170,6 +173,10 @@ class Supervisor:
                                                 settings.metrics_bind)
         #: The threads with broker connections of their own, besides the broker thread's.
         self.services: list[ServiceThread] = [s for s in (self.control, self.events) if s]
+        #: Sends the periodic tasks (while there are entries and schedules = true).
+        self.schedules: ScheduleThread | None = None
+        self._schedules_reloaded(settings, app)
+        self.reloading.on_reloaded = self._schedules_reloaded
         self.started_at = self.system.monotonic()
         #: Tasks finished by this worker, by name (``inspect stats``).
         self.totals: Counter[str] = Counter()
@@ -187,6 +194,35 @@ class Supervisor:
     @property
     def settings(self) -> Settings:
         return self.current.settings
+
+    # ------------------------------------------------------------------ schedules
+    def _schedules_reloaded(self, settings: Settings, app: App) -> None:
+        """At start and after each reload: the entries to send, if this worker sends."""
+        entries = (entries_for(settings.schedule, app.celery_schedule)
+                   if settings.schedules else [])
+        if self.schedules is not None:
+            self.schedules.update(entries)
+        elif entries:
+            self.schedules = ScheduleThread(app, self.hostname, entries, self._schedule_sent,
+                                            self._schedule_skipped)
+            self.services.append(self.schedules)
+            if self.phase is Phase.RUNNING:     # (else run() starts it with the others)
+                self.schedules.start(self.loop)
+
+    def _schedule_sent(self, sent: Sent) -> None:
+        if self.metrics is not None:
+            self.metrics.schedule_sent(sent.entry.name, sent.late)
+        entry = sent.entry
+        if self.events is None:
+            return
+        self.events.task("task-sent", uuid=sent.task_id, name=entry.task,
+                         args=repr(tuple(entry.args)), kwargs=repr(dict(entry.kwargs)),
+                         retries=0, eta=None, expires=None, queue=sent.queue, exchange="",
+                         routing_key=sent.queue, root_id=sent.task_id, parent_id=None)
+
+    def _schedule_skipped(self, entry: ScheduleEntry, count: int) -> None:
+        if self.metrics is not None:
+            self.metrics.schedule_skipped(entry.name, count)
 
     # ------------------------------------------------------------------ running
     def _accepting(self) -> bool:

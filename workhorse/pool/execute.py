@@ -12,6 +12,7 @@ import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from ..canvas import signature
@@ -27,7 +28,13 @@ from ..exceptions import (
 from ..outcome import Outcome
 from ..backends import Claim
 from ..backends.encoding import describe_exception, safe_repr
-from ..protocol import Request, malformed_request, read_message
+from ..protocol import (
+    NOMINAL_HEADER,
+    SCHEDULE_HEADER,
+    Request,
+    malformed_request,
+    read_message,
+)
 from ..states import FAILURE, SUCCESS
 from ..retrying import retry_countdown, should_autoretry
 from ..task import Context, Task
@@ -90,7 +97,9 @@ class TaskExecution:
             timelimit=(request.time_limit, request.soft_time_limit),
             called_directly=False, priority=job.priority, queue=job.queue,
             callbacks=embed.get("callbacks"), errbacks=embed.get("errbacks"),
-            chain=embed.get("chain"), chord=embed.get("chord"))
+            chain=embed.get("chain"), chord=embed.get("chord"),
+            schedule=request.headers.get(SCHEDULE_HEADER),
+            nominal_time=_nominal_time(request.headers.get(NOMINAL_HEADER)))
         self.info: dict[str, Any] = {
             "task": job.task, "args": args, "kwargs": kwargs, "hostname": self.hostname,
             "retries": request.retries, "group": request.group, "parent_id": request.parent_id,
@@ -124,15 +133,18 @@ class TaskExecution:
         is acked, so its earlier delivery may have stopped between the two: a callback or
         chain step published twice is the price of never publishing one zero times."""
         job = self.job
+        # (A schedule's due time is looked up too: sent twice, it has one task id.)
         redelivered = (request.deliveries > 0 or job.delivery_info.get("redelivered")
-                       or job.headers.get("redelivered"))
+                       or job.headers.get("redelivered") or NOMINAL_HEADER in job.headers)
         if not (redelivered and self.store):
             return None
         meta = self.app.backend.get_task_meta(request.id)
         if meta["status"] != SUCCESS:
             return None
-        log.warning("Task %s: redelivered, but its SUCCESS is stored already; acked without "
-                    "running it again, once its continuations are sent", self.label)
+        log.warning("Task %s: %s, but its SUCCESS is stored already; acked without "
+                    "running it again, once its continuations are sent", self.label,
+                    "sent twice for one due time" if NOMINAL_HEADER in job.headers
+                    else "redelivered")
         return self._continue(meta["result"]) or Finished(
             Outcome.ALREADY_DONE, "its SUCCESS was stored already")
 
@@ -317,3 +329,13 @@ class TaskExecution:
         if ctx.chord and ctx.group:
             chord_part_return(self.app, ctx.group, self.task_id, ctx.group_index, state, result,
                               ctx.chord, inline_errbacks=True)
+
+
+def _nominal_time(value: Any) -> datetime | None:
+    """A schedule's due time, from its header; None if absent or unreadable."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        return None

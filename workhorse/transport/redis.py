@@ -69,7 +69,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from ..protocol import Verdict, after_loss, dead_letter_queue
-from . import unreadable
+from . import fenced, unreadable
 
 log = logging.getLogger("workhorse.transport.redis")
 
@@ -88,6 +88,9 @@ class Script:
         except NoScriptError:       # a restarted or flushed server: load it again
             return client.eval(self.text, len(keys), *keys, *args)
 
+
+#: A periodic task's fenced put (``transport.fenced``).
+_FENCED_PUT = Script(fenced.REDIS_MOVE)
 
 # A lease lost by a live worker: take back the delivery its take counted, unless the lease
 # is still ours after all, or the message is gone (acked elsewhere: its count with it).
@@ -537,6 +540,28 @@ class Channel(redis.Channel):
         self._direct_lock = threading.Lock()
         self._list_keys: dict[tuple[str, ...], tuple[str, ...]] = {}
         super().__init__(*args, **kwargs)
+
+    def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
+        ticket = fenced.current()
+        if ticket is None:
+            super()._put(queue, message, **kwargs)
+            return
+        # A periodic task's due time: put only if its fence moves, in one script with it.
+        key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
+        answer = self.run(_FENCED_PUT, [fenced.redis_key(ticket.name), key],
+                          [repr(ticket.record.nominal), ticket.record.dumps(),
+                           ticket.record.task_id, dumps(message)])
+        put, holder = fenced.redis_answer(ticket, answer)
+        if not put:
+            raise fenced.FenceClosed(ticket, holder)
+
+    def fence_records(self, names: Iterable[str]) -> dict[str, fenced.Record]:
+        """The periodic tasks' records (``transport.fenced``) for ``names``."""
+        names = list(names)
+        with self.conn_or_acquire() as client:
+            texts = [client.hget(fenced.redis_key(name), "record") for name in names]
+        return {name: record for name, text in zip(names, texts, strict=True)
+                if text and (record := fenced.record_or_none(text)) is not None}
 
     def run(self, script: Script, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         """Run one of our scripts on a connection of the channel's own, outside kombu's

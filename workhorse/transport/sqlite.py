@@ -48,7 +48,7 @@ from kombu.transport import virtual
 from kombu.utils.json import dumps
 
 from ..protocol import Verdict, after_loss, dead_letter_queue
-from . import unreadable
+from . import fenced, unreadable
 from .store import BrokerFileError, Store, parse_tag
 from .wake import Notifier
 
@@ -121,8 +121,16 @@ class Channel(virtual.Channel):
     # -- messages
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         priority = (message.get("properties") or {}).get("priority") or 0
-        self.store.put(queue, dumps(message), int(priority))
+        ticket = fenced.current()
+        if ticket is None:
+            self.store.put(queue, dumps(message), int(priority))
+        else:
+            self.store.put_fenced(queue, dumps(message), int(priority), ticket)
         self.connection.wake.notify()
+
+    def fence_records(self, names: Iterable[str]) -> dict[str, fenced.Record]:
+        """The periodic tasks' records (``transport.fenced``) for ``names``."""
+        return self.store.fence_records(names)
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         while True:

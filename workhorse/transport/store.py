@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import sqlitedb
+from . import fenced
 from ..forksafe import abandon
 
 log = logging.getLogger("workhorse.broker")
@@ -47,8 +48,8 @@ _REOPEN_AFTER = frozenset({sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sql
                            sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
 _PREFIX_LENGTH = 8
 
-SCHEMA_VERSION = 1
-_SCHEMA = """
+SCHEMA_VERSION = 2      # 2: the periodic tasks' fences
+_SCHEMA = fenced.SQLITE_SCHEMA + """
 CREATE TABLE IF NOT EXISTS messages (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,   -- FIFO order within a priority
     queue       TEXT    NOT NULL,
@@ -285,6 +286,22 @@ class Store:
                 "INSERT INTO messages (queue, priority, payload, created_at) VALUES (?, ?, ?, ?)",
                 (queue, priority, payload, time.time()))
             return int(cur.lastrowid or 0)
+
+    def put_fenced(self, queue: str, payload: str, priority: int,
+                   ticket: fenced.Ticket) -> None:
+        """Put the message only if the ticket's fence moves, in one transaction with it;
+        raise FenceClosed if another worker's record holds it."""
+        with self._session(check=True) as conn, sqlitedb.immediate(conn):
+            put, holder = fenced.sqlite_move(conn, ticket)
+            if not put:
+                raise fenced.FenceClosed(ticket, holder)
+            if holder is None:
+                conn.execute("INSERT INTO messages (queue, priority, payload, created_at) "
+                             "VALUES (?, ?, ?, ?)", (queue, priority, payload, time.time()))
+
+    def fence_records(self, names: Iterable[str]) -> dict[str, fenced.Record]:
+        with self._session() as conn:
+            return fenced.sqlite_records(conn, names)
 
     def lease(self, queue: str, visibility_timeout: float) -> tuple[int, str, str, int] | None:
         """Take the next available message: (id, token, payload, deliveries) or None."""
