@@ -87,22 +87,26 @@ class ScheduleThread(ServiceThread):
         self._queues_ready: set[str] = set()
 
     # ------------------------------------------------------------------ loop thread's API
-    def update(self, entries: Sequence[Entry]) -> None:
+    def update(self, entries: Sequence[Entry], app: App) -> None:
         """A reload: these entries from now on (their fences stay: a changed entry goes
-        on from the last due time sent under its name)."""
+        on from the last due time sent under its name), and the reloaded app's queues."""
+        self.app = app
         self._entries = list(entries)
         self._changed.set()
+
+    def stop(self, timeout: float) -> None:
+        self._stopping.set()
+        self._changed.set()             # out of its sleep now
+        super().stop(timeout)
 
     # ------------------------------------------------------------------ the thread
     def serve(self) -> None:
         with self.app.connection() as connection:
             connection.ensure_connection(max_retries=connection.retries(2))
             fence = fence_for(connection, self.app.new_backend())
-            if fence is None:
-                log.error("schedules: neither the broker nor the result store can hold "
-                          "their fences; nothing is sent")
-                self._stopping.wait()
-                return
+            if fence is None:       # (the worker refuses to start so: see cli)
+                raise RuntimeError("neither the broker nor the result store can hold the "
+                                   "fences of schedules; nothing is sent")
             self._changed.set()         # read the records again on a new connection
             while not self.stopping:
                 if self._changed.is_set():

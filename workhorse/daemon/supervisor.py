@@ -201,7 +201,7 @@ class Supervisor:
         entries = (entries_for(settings.schedule, app.celery_schedule)
                    if settings.schedules else [])
         if self.schedules is not None:
-            self.schedules.update(entries)
+            self.schedules.update(entries, app)
         elif entries:
             self.schedules = ScheduleThread(app, self.hostname, entries, self._schedule_sent,
                                             self._schedule_skipped)
