@@ -230,7 +230,7 @@ class FakeBackend:
 def fake_app(*task_names: str, **options: Any) -> Any:
     tasks = {name: SimpleNamespace(name=name, time_limit=None, soft_time_limit=None,
                                    **options) for name in task_names}
-    return SimpleNamespace(tasks=tasks, backend=FakeBackend())
+    return SimpleNamespace(tasks=tasks, backend=FakeBackend(), celery_schedule=[])
 
 
 def retry_policy(max_retries: int = 3) -> RetryPolicy:

@@ -21,7 +21,7 @@ CHAOS_SECONDS = float(os.environ.get("WH_SCHEDULE_CHAOS_SECONDS", "60"))
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(CHAOS_SECONDS + 150)]
 
-broker = broker_fixture("sqlite", "redis", "amqp")
+broker = broker_fixture("sqlite", "redis", "amqp", "quorum")
 
 
 def write_config(path: Path, sink: str) -> None:

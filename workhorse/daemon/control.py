@@ -14,11 +14,12 @@ takes no acks, so a child forked meanwhile inherits no message to give back).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kombu import pidbox
@@ -64,6 +65,9 @@ class ControlThread(ServiceThread):
         self._store: Backend | None = None      # this thread's own result store object
         self.mailbox = pidbox.Mailbox("celery", type="fanout", accept=["json"],
                                       serializer="json")
+        #: True while a polled broker is read with the gate held (a reply made then
+        #: must not take it again).
+        self.reading = False
 
     # ------------------------------------------------------------------ the thread
     def finish(self) -> None:
@@ -118,11 +122,14 @@ class ControlThread(ServiceThread):
             return
         deadline = time.monotonic() + timeout
         while True:
+            self.reading = True
             try:
                 connection.drain_events(timeout=0)      # one read of the file
                 return
             except TimeoutError:
                 pass
+            finally:
+                self.reading = False
             left = deadline - time.monotonic()
             if left <= 0 or self.stopping:
                 return
@@ -166,8 +173,17 @@ class ControlThread(ServiceThread):
         if action is None:
             raise KeyError(f"no such command: {method!r} (this worker answers "
                            f"{', '.join(sorted({*COMMANDS, *ACTIONS}))})")
-        with self.gate:         # store I/O: no child is forked meanwhile
+        with self.holding_gate():       # store I/O: no child is forked meanwhile
             return action(self, **arguments)
+
+    @contextlib.contextmanager
+    def holding_gate(self) -> Iterator[None]:
+        """The gate, for broker or store I/O; held already while a polled broker is read."""
+        if self.reading:
+            yield
+            return
+        with self.gate:
+            yield
 
     def _on_loop(self, function: Callable[[], T]) -> T:
         """Run ``function`` on the loop thread and wait (at most ``ASK_TIMEOUT``) for it."""
@@ -251,7 +267,7 @@ class _Node(pidbox.Node):
 
     def reply(self, data: Any, exchange: str, routing_key: str, ticket: str,
               **kwargs: Any) -> None:
-        with self.owner.gate:
+        with self.owner.holding_gate():
             super().reply(data, exchange, routing_key, ticket, **kwargs)
 
     def handle_message(self, body: Any, message: Any = None) -> Any:
