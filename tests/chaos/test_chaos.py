@@ -13,6 +13,7 @@ from tests.rabbitmq_cluster import available
 VT = 4.0
 
 
+@pytest.mark.chaos
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("kind", ["sqlite", "redis", "amqp"])
 def test_chaos_loses_nothing_and_repeats_only_what_a_kill_interrupted(kind, tmp_path):
