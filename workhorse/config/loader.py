@@ -339,7 +339,7 @@ def _show(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, tuple):
-        return ",".join(value)
+        return ",".join(map(str, value))
     if isinstance(value, float) and value == int(value):
         return str(int(value))
     return str(value)
@@ -354,7 +354,8 @@ def _toml_value(setting: Setting, value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, tuple):
-        return "[" + ", ".join(_toml_string(v) for v in value) + "]"
+        return "[" + ", ".join(repr(v) if isinstance(v, int) else _toml_string(v)
+                               for v in value) + "]"
     return _toml_string(str(value))
 
 

@@ -122,6 +122,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("concurrency", "worker", t.integer(1, 1024), lambda _: os.cpu_count() or 1,
             "Number of child processes, each running one task at a time.",
             default_doc="number of CPUs", cli=("-c",)),
+    Setting("autoscale", "worker", t.pool_bounds(1, 1024).or_none(), None,
+            "Size the pool on the backlog, between these two sizes (\"2,8\"; Celery's "
+            "--autoscale 8,2 order is read the same): concurrency is the size it starts at "
+            "(brought within them); it grows by one child a second while the oldest ready "
+            "message is older than autoscale_target_age, and retires one idle child a second "
+            "once no message has waited for autoscale_idle. None: a fixed pool.",
+            reload=False),
+    Setting("autoscale_target_age", "worker", t.seconds(positive=True), 1.0,
+            "With autoscale: the pool grows while the oldest ready message of the queues "
+            "consumed is older than this; /scale's load counts the backlog against it.",
+            reload=False),
+    Setting("autoscale_idle", "worker", t.seconds(positive=True), 30.0,
+            "With autoscale: the pool shrinks after this long without a message waiting.",
+            reload=False),
     Setting("prefetch_multiplier", "worker", t.integer(1, 1000), 4,
             "The supervisor holds at most concurrency × prefetch_multiplier buffered and running "
             "messages; 1 fetches only what can start now."),

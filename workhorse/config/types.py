@@ -207,6 +207,29 @@ def text(check: Callable[[str], str | None] | None = None,
     return ValueType(accepted, parse)
 
 
+def pool_bounds(low: int, high: int) -> ValueType:
+    """Two pool sizes, in either order (``"2,8"``; Celery's ``--autoscale MAX,MIN`` is
+    ``"8,2"``): the smaller is the least, the larger the most."""
+    accepted = (f"two integers from {low} to {high}, the least and the most number of "
+                "children (\"2,8\"; either order)")
+
+    def parse(raw: Any) -> tuple[int, int]:
+        if isinstance(raw, str):
+            parts: list[Any] = [part.strip() for part in raw.split(",")]
+        elif isinstance(raw, (list, tuple)):
+            parts = list(raw)
+        else:
+            raise Invalid(f"expected {accepted}")
+        if len(parts) != 2:
+            raise Invalid(f"expected {accepted}")
+        try:
+            sizes = [integer(low, high).parse(part) for part in parts]
+        except Invalid:
+            raise Invalid(f"expected {accepted}") from None
+        return min(sizes), max(sizes)
+    return ValueType(accepted, parse, toml_name="string")
+
+
 def string_list() -> ValueType:
     accepted = "a list of names (a TOML array, or comma-separated)"
 

@@ -9,6 +9,7 @@ journal names it, not a neighbour.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from ..pool.ipc import Job
 from ..pool.limits import effective_limit
 from ..ratelimit import RateLimits
 from ..broker.port import BrokerPort
+from ..transport.backlog import sent_at
 from .current import Current
 from .delivery import Delivery, Stage
 from .events import TaskEvents
@@ -25,6 +27,7 @@ from .holding import Holding
 from .intake import Intake
 from ..broker.journal import Journal
 from .loop import Loop, Timer
+from .metrics import Metrics
 from .slots import Slots
 
 log = logging.getLogger("workhorse.supervisor")
@@ -51,6 +54,9 @@ class Dispatch:
         self.loop = loop
         self.clock = clock
         self.rate_limits = RateLimits()
+        #: Task wait times go here when metrics are served; ``wall`` is the epoch clock.
+        self.metrics: Metrics | None = None
+        self.wall: Callable[[], float] = time.time
         #: Task events (task-started), set by the supervisor.
         self.events = TaskEvents()
         self._rate_wakeup: Timer | None = None    # set while a rate-limited message waits
@@ -139,8 +145,25 @@ class Dispatch:
         self.holding.start(delivery)
         delivery.started = True
         self.rate_limits.take(delivery.request.task, self.clock())
+        if self.metrics is not None:
+            self._waited(delivery)
         if self.events.on:
             self.events.started(delivery)
+
+    def _waited(self, delivery: Delivery) -> None:
+        """How long it waited to start: since it was due (an ETA later than its send),
+        sent (a stamped message), or received here."""
+        message, eta = delivery.message, delivery.request.eta
+        now = self.wall()
+        sent = sent_at(message.properties, message.headers)
+        due = eta.timestamp() if eta is not None else None
+        assert self.metrics is not None
+        if due is not None and (sent is None or due > sent):
+            self.metrics.waited("due", now - due)
+        elif sent is not None:
+            self.metrics.waited("sent", now - sent)
+        else:
+            self.metrics.waited("received", self.clock() - delivery.received)
 
     def _job(self, delivery: Delivery) -> Job:
         request, message = delivery.request, delivery.message

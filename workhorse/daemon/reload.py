@@ -10,6 +10,7 @@ from ..app import result_retry_policy
 from ..backends import RetryPolicy
 from ..config import SETTINGS, Settings
 from . import systemd
+from .autoscale import clamp
 from .current import Current
 from .holding import Holding
 from .settlement import Settlement
@@ -84,8 +85,11 @@ class Reload:
                                          settings.max_memory_per_child)
         logging.getLogger().setLevel(settings.loglevel)
         self.slots.renew()
-        self.resize(settings.concurrency, "reload")
-        log.info("reloaded: %d children, tasks %s", settings.concurrency,
+        # With autoscale the pool keeps the size it has grown or shrunk to.
+        size = (clamp(self.slots.size, settings.autoscale) if settings.autoscale
+                else settings.concurrency)
+        self.resize(size, "reload")
+        log.info("reloaded: %d children, tasks %s", size,
                  ", ".join(sorted(app.tasks)) or "(none registered)")
         if self.on_reloaded is not None:
             self.on_reloaded(settings, app)

@@ -24,7 +24,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kombu.message import Message
 
@@ -58,6 +58,8 @@ from .events import EventThread, TaskEvents
 from .hostfiles import HEALTH_INTERVAL, health_path, write_health
 from ..logs import reopen_logfile
 from .metrics import Metrics, MetricsServer
+from .autoscale import Autoscaler, STEP as AUTOSCALE_STEP, clamp, load
+from .backlog import BacklogThread
 from .schedules import ScheduleThread, Sent
 from .service import ServiceThread
 from .steering import Steering
@@ -115,7 +117,8 @@ class Supervisor:
         self._interrupts = 0
         self.loop = Loop(self.system.monotonic)
         self.signals = SignalPipe(HANDLED_SIGNALS)
-        self.holding = Holding(settings.concurrency * settings.prefetch_multiplier)
+        size = clamp(settings.concurrency, settings.autoscale)
+        self.holding = Holding(size * settings.prefetch_multiplier)
         self.link: BrokerPort = link or BrokerLink(
             app, list(settings.queues), self.loop, self.receive, self._connected,
             self._broker_lost, self._gave_up, lambda: self.holding.window,
@@ -126,7 +129,7 @@ class Supervisor:
         self.intake = Intake(self.current, self.loop, self.holding, self.settlement,
                              self.system.monotonic, self.system.now, self._changed,
                              self._accepting)
-        self.slots = Slots(settings.concurrency, self.system, self.loop, self._make_runtime,
+        self.slots = Slots(size, self.system, self.loop, self._make_runtime,
                            self, Recycling(settings.max_tasks_per_child,
                                            settings.max_memory_per_child), self._accepting,
                            max_boot_failures=settings.max_boot_failures,
@@ -165,14 +168,22 @@ class Supervisor:
         #: Prometheus metrics, when served.
         self.metrics: Metrics | None = None
         self.metrics_server: MetricsServer | None = None
+        #: What the consumed queues hold, read from the broker (metrics, /scale, autoscale).
+        self.backlog = (BacklogThread(app, lambda: tuple(self.link.queues))
+                        if settings.metrics_port or settings.autoscale else None)
+        self.autoscaler = (Autoscaler(settings.autoscale[0], settings.autoscale[1],
+                                      settings.autoscale_target_age, settings.autoscale_idle)
+                           if settings.autoscale else None)
         if settings.metrics_port:
-            self.metrics = Metrics(self._held_by_stage, lambda: self.leases.renewed)
-            self.settlement.metrics = self.metrics
+            self.metrics = Metrics(self._held_by_stage, lambda: self.leases.renewed,
+                                   self.scale_view)
+            self.settlement.metrics = self.dispatch.metrics = self.metrics
             self.slots.on_child_exit = self.metrics.child_exited
             self.metrics_server = MetricsServer(self.metrics, settings.metrics_port,
                                                 settings.metrics_bind)
         #: The threads with broker connections of their own, besides the broker thread's.
-        self.services: list[ServiceThread] = [s for s in (self.control, self.events) if s]
+        self.services: list[ServiceThread] = [s for s in (self.control, self.events,
+                                                          self.backlog) if s]
         #: Sends the periodic tasks (while there are entries and schedules = true).
         self.schedules: ScheduleThread | None = None
         self._schedules_reloaded(settings, app)
@@ -350,6 +361,53 @@ class Supervisor:
                         "worker was away may run)", REVOKES_READ_WAIT)
             self._revokes_read({})
 
+    def scale_view(self) -> dict[str, Any]:
+        """What ``/scale`` shows (read on the metrics server's threads: copies and lengths
+        only): the consumed queues' backlog as the backlog thread last read it, the
+        messages held until due, this worker's slots, and the load (``autoscale.load``)."""
+        settings = self.settings
+        scheduled = Counter(d.queue for d in list(self.holding.scheduled))
+        view = self.backlog.view if self.backlog is not None else None
+        known = view is not None and view.fresh(self.system.monotonic())
+        queues: dict[str, dict[str, Any]] = {}
+        for name in {*tuple(self.link.queues), *scheduled}:
+            found = view.queues.get(name) if view is not None and known else None
+            queues[name] = {"ready": found.ready if found else None,
+                            "oldest_age": round(found.oldest_age, 3)
+                            if found and found.oldest_age is not None else None,
+                            "oldest_age_estimated": found.estimated if found else None,
+                            "consumers": found.consumers if found else None,
+                            "scheduled": scheduled.get(name, 0)}
+        busy, total = self.slots.running, self.slots.size
+        ready = view.ready if view is not None and known else 0
+        oldest = view.oldest_age if view is not None and known else None
+        return {"worker": self.hostname, "queues": queues, "backlog_known": known,
+                "ready": ready if known else None,
+                "oldest_age": round(oldest, 3) if oldest is not None else None,
+                "scheduled": sum(scheduled.values()),
+                "slots": {"busy": busy, "total": total},
+                "autoscale": list(settings.autoscale) if settings.autoscale else None,
+                "target_age": settings.autoscale_target_age,
+                "load": load(busy, total, ready, oldest, settings.autoscale_target_age)}
+
+    def _autoscale(self) -> None:
+        """Every second with ``autoscale``: the pool one child bigger, smaller, or as it is."""
+        scaler, backlog = self.autoscaler, self.backlog
+        if scaler is None or backlog is None or not self._accepting():
+            return
+        now = self.system.monotonic()
+        view = backlog.view
+        if not view.fresh(now):
+            return
+        size = self.slots.size
+        idle = sum(1 for _ in self.slots.idle())
+        wanted = scaler.decide(now, size, idle, view.ready, view.oldest_age)
+        if wanted != size:
+            age = view.oldest_age
+            oldest = "unknown" if age is None else f"{age:.1f} s old"
+            self.reloading.resize(wanted, f"autoscale ({view.ready} ready, the oldest "
+                                          f"{oldest})")
+
     def _held_by_stage(self) -> dict[str, int]:
         """Read on the metrics thread: lengths only, a gauge's worth."""
         h = self.holding
@@ -431,6 +489,8 @@ class Supervisor:
         self._every(min(60.0, s.rabbitmq_consumer_timeout / 8), self._refresh_scheduled)
         if hasattr(self.app.backend, "purge_expired"):
             self._every(RESULT_PURGE_INTERVAL, self._purge_results)
+        if self.autoscaler is not None:
+            self._every(AUTOSCALE_STEP, self._autoscale)
         watchdog = systemd.watchdog_interval()
         if watchdog:
             self._every(watchdog, self._ping_watchdog)

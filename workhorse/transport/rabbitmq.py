@@ -22,6 +22,8 @@ from amqp.transport import TCPTransport
 from kombu.exceptions import OperationalError
 from kombu.transport import pyamqp
 
+from .backlog import Backlog, stamp_amqp
+
 log = logging.getLogger("workhorse.broker")
 
 #: Seconds a publish waits for the server's confirm when its caller gave no timeout.
@@ -51,7 +53,14 @@ class Channel(pyamqp.Channel):
 
     def _basic_publish(self, msg: Any, *args: Any, **kwargs: Any) -> Any:
         self.connection.raise_if_blocked()
+        stamp_amqp(msg.properties)
         return super()._basic_publish(msg, *args, **kwargs)
+
+    def backlog(self, queue: str) -> Backlog:
+        """``queue``'s ready messages and consumers (a passive declare). AMQP 0-9-1 cannot
+        show the oldest message without taking it: its send time stays unknown."""
+        _, ready, consumers = self.queue_declare(queue=queue, passive=True)
+        return Backlog(ready, None, consumers)
 
     basic_publish = _basic_publish
 

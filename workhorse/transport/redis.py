@@ -70,6 +70,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from ..protocol import Verdict, after_loss, dead_letter_queue
 from . import fenced, unreadable
+from .backlog import Backlog, sent_at, stamp_properties
 
 log = logging.getLogger("workhorse.transport.redis")
 
@@ -516,6 +517,36 @@ class Channel(redis.Channel):
         client.transaction(recover, self.unacked_key, self.unacked_index_key,
                            self.lease_owners_key, self.delivery_counts_key)
         return done
+
+    def backlog(self, queue: str) -> Backlog:
+        """``queue``'s ready messages (its lists' lengths) and when the oldest was sent: the
+        earliest stamp of the messages next to be taken from each priority's list (None if
+        one of them carries no stamp)."""
+        keys = self.list_keys([queue])
+        with self.client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.llen(key).lindex(key, -1)
+            answers = pipe.execute()
+        ready, oldest, known = 0, None, True
+        for length, payload in zip(answers[::2], answers[1::2], strict=True):
+            ready += int(length)
+            if payload is None:
+                continue
+            try:
+                message = loads(payload)
+                sent = sent_at(message.get("properties"), message.get("headers"))
+            except (ValueError, TypeError, AttributeError):
+                sent = None
+            if sent is None:
+                known = False
+            else:
+                oldest = sent if oldest is None else min(oldest, sent)
+        return Backlog(ready, oldest if known else None)
+
+    def _inplace_augment_message(self, message: dict[str, Any], exchange: str,
+                                 routing_key: str) -> None:
+        super()._inplace_augment_message(message, exchange, routing_key)
+        stamp_properties(message["properties"])
 
     def list_keys(self, queues: Iterable[str]) -> tuple[str, ...]:
         """The Redis lists behind ``queues``: by priority first, as kombu's BRPOP reads them.

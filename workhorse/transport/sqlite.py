@@ -49,6 +49,7 @@ from kombu.utils.json import dumps
 
 from ..protocol import Verdict, after_loss, dead_letter_queue
 from . import fenced, unreadable
+from .backlog import Backlog, stamp_properties
 from .store import BrokerFileError, Store, parse_tag
 from .wake import Notifier
 
@@ -242,6 +243,17 @@ class Channel(virtual.Channel):
 
     def _size(self, queue: str) -> int:
         return self.store.size(queue)
+
+    def backlog(self, queue: str) -> Backlog:
+        """``queue``'s ready messages and when the oldest was put (its row's time, so a
+        producer that stamps nothing is covered too)."""
+        ready, oldest = self.store.backlog(queue)
+        return Backlog(ready, oldest)
+
+    def _inplace_augment_message(self, message: dict[str, Any], exchange: str,
+                                 routing_key: str) -> None:
+        super()._inplace_augment_message(message, exchange, routing_key)
+        stamp_properties(message["properties"])
 
     def _purge(self, queue: str) -> int:
         return self.store.purge(queue)

@@ -470,6 +470,14 @@ class Store:
                 "SELECT count(*) FROM messages WHERE queue = ? AND lease_until <= ?",
                 (queue, time.time())).fetchone()[0])
 
+    def backlog(self, queue: str) -> tuple[int, float | None]:
+        """Messages available now, and when the oldest of them was put (epoch seconds)."""
+        with self._session() as conn:
+            count, oldest = conn.execute(
+                "SELECT count(*), min(created_at) FROM messages WHERE queue = ? AND "
+                "lease_until <= ?", (queue, time.time())).fetchone()
+            return int(count), oldest
+
     def purge(self, queue: str) -> int:
         """Delete the available messages; leased ones stay with their consumers (as in AMQP)."""
         with self._session() as conn:
