@@ -1,6 +1,6 @@
 """An experiment, not a mode of workhorse: the worker with its broker thread's loop run on
 the loop thread. Broker calls then block the loop (a hung broker would stall time limits
-and signals, which SEMANTICS forbids: that is why workhorse has a broker thread). It
+and signals, which docs/delivery.md forbids: that is why workhorse has a broker thread). It
 measures what the hand-off between the two threads, and the interpreter lock they share,
 cost a task (``throughput.py --one-thread``).
 

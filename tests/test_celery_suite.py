@@ -1,9 +1,10 @@
 """A fast subset of Celery's own integration tests (``compat/celery_suite.py``), run with
 Celery as the client against a workhorse worker: the workflows whose behaviour workhorse
 had to learn (chains inside groups and chords, nested headers, chord failures and their
-errbacks, retry arguments). The whole suite against both workers is run by hand (README,
-"Relation to Celery"); this keeps the subset from regressing. Tier 3: Redis, and the celery
-sdist from the package index (downloaded once into compat/.suite)."""
+errbacks, retry arguments). The whole suite against both workers is run by hand
+(docs/celery.md, "Celery's own integration tests"); this keeps the subset from
+regressing. Tier 3: Redis, and the celery sdist from the package index (downloaded once
+into compat/.suite)."""
 from __future__ import annotations
 
 import subprocess

@@ -1,4 +1,4 @@
-"""The delivery contract (SEMANTICS.md: prefetch buffer, ack timing, outcomes, time limits,
+"""The delivery contract (docs/delivery.md: prefetch buffer, ack timing, outcomes, time limits,
 children) on every broker, with the real daemon and real signals. Each test asserts the
 broker's state afterwards: the queue, its dead-letter queue, and the stored result."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The delivery count (SEMANTICS.md "delivery count") on every broker: a delivery that may
+"""The delivery count (docs/delivery.md "delivery count") on every broker: a delivery that may
 have ended in a loss counts even when nothing survives to write it down (a supervisor
 killed outright), and a clean hand-back by a live worker never counts."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Redelivery hygiene and the opt-in idempotency guard (SEMANTICS.md "Duplicates"), with
-real workers on every broker: a redelivered message whose SUCCESS is stored is acked
-without running; an idempotent task's key is claimed in the result store, so two
-deliveries never run at once and a finished key never runs again."""
+"""Redelivery hygiene and the opt-in idempotency guard (docs/delivery.md "Duplicates and
+losses"), with real workers on every broker: a redelivered message whose SUCCESS is
+stored is acked without running; an idempotent task's key is claimed in the result store,
+so two deliveries never run at once and a finished key never runs again."""
 from __future__ import annotations
 
 import pytest

@@ -1,7 +1,7 @@
-"""No duplicates, no losses (SEMANTICS.md "Duplicates"): leases renewed while a live worker
-holds a message, ETA messages held past the visibility timeout, a supervisor killed
-outright, the scheduled bound, RabbitMQ's consumer_timeout, and acks that touch only
-their own lease."""
+"""No duplicates, no losses (docs/delivery.md "Duplicates and losses"): leases renewed while
+a live worker holds a message, ETA messages held past the visibility timeout, a
+supervisor killed outright, the scheduled bound, RabbitMQ's consumer_timeout, and acks
+that touch only their own lease."""
 from __future__ import annotations
 
 import time

@@ -1,4 +1,4 @@
-"""SEMANTICS.md's Outcomes table, row by row, as the pure decision function sees it."""
+"""docs/delivery.md's Outcomes table, row by row, as the pure decision function sees it."""
 from __future__ import annotations
 
 import pytest

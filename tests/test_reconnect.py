@@ -1,7 +1,7 @@
-"""Broker connection loss (SEMANTICS.md "Duplicates"): the worker keeps running its tasks,
-reconnects with back-off, resumes consuming, and settles what finished meanwhile without
-losing it or running it twice. Redis runs as the test's own server, so it can be killed
-and restarted; RabbitMQ's connections are closed by rabbitmqctl."""
+"""Broker connection loss (docs/delivery.md "Duplicates and losses"): the worker keeps
+running its tasks, reconnects with back-off, resumes consuming, and settles what finished
+meanwhile without losing it or running it twice. Redis runs as the test's own server, so
+it can be killed and restarted; RabbitMQ's connections are closed by rabbitmqctl."""
 from __future__ import annotations
 
 import shutil

@@ -1,5 +1,5 @@
 """The real daemon as a subprocess, on each broker: tasks round-trip, bad input is
-settled as SEMANTICS.md says and the worker keeps running, signals stop it cleanly."""
+settled as docs/delivery.md says and the worker keeps running, signals stop it cleanly."""
 from __future__ import annotations
 
 import json

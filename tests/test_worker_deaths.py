@@ -1,7 +1,7 @@
 """What a supervisor's death costs the messages it held, on every broker, with the real
 daemon restarted each time it dies (as systemd does): only a message that may have
 started is charged a delivery; its neighbours in the window, only held, are not
-(SEMANTICS.md "delivery count"). A message that kills its supervisor before it starts is
+(docs/delivery.md "delivery count"). A message that kills its supervisor before it starts is
 stopped by the backstop (``max_held_losses``), not looped for ever."""
 from __future__ import annotations
 

@@ -219,7 +219,7 @@ class App:
         properties = dict(message.properties)
         # Celery also sets the AMQP `expiration` property; RabbitMQ then drops the expired
         # message by itself, silently, and the task stays PENDING forever. workhorse leaves
-        # expiry to the worker, which records REVOKED and acks (SEMANTICS.md).
+        # expiry to the worker, which records REVOKED and acks (docs/delivery.md).
         properties.pop("expiration", None)
         queue_name = queue or self.settings.queues[0]
         try:

@@ -1,4 +1,4 @@
-"""What became of a message, and how it is settled: SEMANTICS.md's Outcomes table as code.
+"""What became of a message, and how it is settled: docs/delivery.md's Outcomes table as code.
 
 Pure: no I/O. The supervisor asks ``decide`` and carries the answer out.
 """

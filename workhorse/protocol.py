@@ -23,7 +23,7 @@ from kombu.serialization import loads
 from .exceptions import MalformedMessage
 
 #: The delivery count a copy workhorse re-publishes carries (deliveries of the message
-#: before the copy that may have ended in a loss: SEMANTICS.md "delivery count").
+#: before the copy that may have ended in a loss: docs/delivery.md "delivery count").
 DELIVERIES_HEADER = "x-workhorse-deliveries"
 #: How often the message was only held (never started) by a worker that died: counted
 #: apart from deliveries, against the much larger bound ``max_held_losses``.
@@ -32,7 +32,7 @@ HELD_LOSSES_HEADER = "x-workhorse-held-losses"
 #: then on (nothing else in that worker beside it), so that another death names it.
 SUSPECT_HEADER = "x-workhorse-suspect"
 #: Dead letters of a queue go to ``<queue>.dead``, with headers saying why, which task,
-#: when, from which queue and by which worker (SEMANTICS.md "settle").
+#: when, from which queue and by which worker (docs/delivery.md "settle").
 DEAD_SUFFIX = ".dead"
 DEAD_REASON_HEADER = "x-workhorse-dead-reason"
 DEAD_TASK_HEADER = "x-workhorse-dead-task-id"

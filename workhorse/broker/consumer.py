@@ -635,7 +635,7 @@ class BrokerConsumer:
     # -- the delivery count
     def count_delivery(self, queue: str, message: Message) -> int | None:
         """Count this delivery: return the message's delivery count, this delivery
-        included (SEMANTICS.md "delivery count").
+        included (docs/delivery.md "delivery count").
 
         SQLite and Redis counted it when the message was taken (and a dead worker's
         journal, read by ``recover``, took the count back where it only held it).

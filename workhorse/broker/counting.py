@@ -1,4 +1,4 @@
-"""The delivery count (SEMANTICS.md): how many deliveries of a message may have started
+"""The delivery count (docs/delivery.md): how many deliveries of a message may have started
 and ended in a loss. Pure: it reads what a message says.
 
 A message's count has two parts. What a copy carries in its header

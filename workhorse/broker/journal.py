@@ -2,7 +2,7 @@
 
 A broker knows which messages a worker holds (leases, unacknowledged deliveries), never
 which of them a child started. When a worker dies without a word (SIGKILL, the OOM
-killer), only a message that may have started is charged a delivery (SEMANTICS.md
+killer), only a message that may have started is charged a delivery (docs/delivery.md
 "delivery count"); one only held did nothing wrong. So the supervisor writes, to a file of
 its own, a line for each start *before* the job goes to the child: a ``write(2)`` to a
 local file, which the kernel keeps when the process is killed. Whoever finds the file of a

@@ -210,7 +210,7 @@ class BrokerLink:
         ``batch`` acks waiting) or ACK_DELAY has passed, so acks travel several to a
         round trip (RabbitMQ: until the end of the turn, see below). What it widens is
         the window in which a supervisor killed outright leaves a finished task unacked
-        (it is delivered again, as SEMANTICS allows; with its result stored it is not run
+        (it is delivered again, as docs/delivery.md allows; with its result stored it is not run
         again) by at most ACK_DELAY."""
         self._acks.append(Ack(message))
         if self.push:

@@ -429,7 +429,7 @@ def _schedules_list(args: argparse.Namespace, settings: Settings, app: App | Non
         print(json.dumps({"schedules": rows, "error": trouble}))
     else:
         if not rows:
-            print("no schedule entries (see [[schedule]] in the README)")
+            print("no schedule entries (see [[schedule]] in docs/periodic.md)")
         for row in rows:
             last = ("never" if row["last_sent"] is None else
                     f"{row['last_sent']} by {row['last_sent_by']} ({row['last_task_id']}"

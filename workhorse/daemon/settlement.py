@@ -1,5 +1,5 @@
 """Settling a held message: decide, store what only the supervisor can store, then ack,
-requeue or dead-letter it, as SEMANTICS.md's Outcomes table says.
+requeue or dead-letter it, as docs/delivery.md's Outcomes table says.
 
 Nothing here raises into the loop: a step that fails is logged and contained (the broker
 delivers the message again), and a result store that fails is retried from a loop timer,

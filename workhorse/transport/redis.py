@@ -376,7 +376,7 @@ class QoS(redis.QoS):
                 "message %s: held for %.0f s by a consumer that is not a workhorse worker (a "
                 "Celery worker on this Redis database?), which renews nothing; not put back "
                 "before celery_visibility_timeout (%.0f s). Celery and workhorse workers "
-                "sharing a Redis broker is not supported: see the README", tag, age,
+                "sharing a Redis broker is not supported: see docs/celery.md", tag, age,
                 self.channel.foreign_visibility_timeout)
         return True
 

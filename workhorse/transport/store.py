@@ -5,7 +5,7 @@ fresh token; ``ack`` deletes it and ``release`` hands it back, both only while t
 still matches; an expired lease makes the message available again. Several processes on
 one host share the file (WAL mode); each process opens its own connection.
 
-Each message keeps its delivery count (SEMANTICS.md): ``lease`` adds one in the same
+Each message keeps its delivery count (docs/delivery.md): ``lease`` adds one in the same
 statement that takes it, so a consumer killed outright has counted already; a clean
 hand-back by a live consumer (``release(uncount=True)``, ``forget``) takes it back.
 
