@@ -183,8 +183,9 @@ SETTINGS: tuple[Setting, ...] = (
             "celery worker -E. Remote control's enable_events/disable_events switch them "
             "until the worker stops.", cli=("-E", "--send-events"), reload=False),
     Setting("metrics_port", "worker", t.integer(0, 65535), 0,
-            "Serve Prometheus metrics on this TCP port (0: off). See docs/operating.md, "
-            "'Metrics', for what is counted.", reload=False),
+            "Serve Prometheus metrics at /metrics, and the backlog for autoscalers at "
+            "/scale, on this TCP port (0: off). See docs/operating.md, 'Metrics' and "
+            "'Backlog and autoscaling'.", reload=False),
     Setting("metrics_bind", "worker", t.text(None, "an address to listen on"), "127.0.0.1",
             "The address the metrics endpoint listens on (0.0.0.0 or :: for every "
             "interface).", reload=False),
