@@ -17,6 +17,7 @@ pass under the Celery baseline are not counted; no other test is excluded.
     python compat/celery_suite.py -k "chain"      # a subset (pytest -k)
     python compat/celery_suite.py --only workhorse -k test_tasks   # one worker, one file
     python compat/celery_suite.py --table         # the table from the last runs' reports
+    python compat/celery_suite.py --set control   # inspect/control, group chains, Redis results
 
 Exit status: 0 when every test that passes under Celery passes under workhorse; 1
 otherwise.
@@ -33,7 +34,17 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-FILES = ("test_tasks.py", "test_canvas.py")
+#: The files (or tests, file::name) each set runs: --set.
+SETS = {
+    "workflows": ("test_tasks.py", "test_canvas.py"),
+    "control": ("test_inspect.py", "test_group_chains.py", "test_redis_backend.py",
+                "test_worker.py::test_pidbox_reset_after_repeated_control_errors"),
+}
+FILES: tuple[str, ...] = SETS["workflows"]
+
+
+def file_of(entry: str) -> str:
+    return entry.split("::", 1)[0]
 
 
 def sdist(workdir: Path) -> Path:
@@ -88,7 +99,7 @@ def start(root: Path, worker: str, args: argparse.Namespace) -> subprocess.Popen
 
 
 def outcomes(report: Path) -> dict[str, dict[str, str]]:
-    by_file: dict[str, dict[str, str]] = {name: {} for name in FILES}
+    by_file: dict[str, dict[str, str]] = {file_of(name): {} for name in FILES}
     for case in ET.parse(report).iter("testcase"):
         module = case.get("classname", "").split(".")
         name = case.get("name", "")
@@ -109,7 +120,7 @@ def table(celery: dict[str, dict[str, str]], workhorse: dict[str, dict[str, str]
     rows = ["| file | passed under Celery | passed under workhorse | "
             "of those, not under workhorse |", "|---|---|---|---|"]
     details: list[str] = []
-    for file in FILES:
+    for file in dict.fromkeys(map(file_of, FILES)):
         baseline = {t for t, r in celery[file].items() if r == "passed"}
         ours = {t for t, r in workhorse[file].items() if r == "passed"}
         missing = sorted(baseline - ours)
@@ -155,7 +166,15 @@ def main() -> int:
     parser.add_argument("--report-name", metavar="NAME",
                         help="name the reports and logs <worker>-NAME (default <worker>)")
     parser.add_argument("-k", help="a pytest -k expression selecting a subset")
+    parser.add_argument("--set", choices=sorted(SETS), default="workflows",
+                        help="which of Celery's files: workflows (test_tasks, test_canvas; "
+                        "the default) or control (test_inspect, test_group_chains, "
+                        "test_redis_backend, test_worker's pidbox reset test)")
     args = parser.parse_args()
+    global FILES
+    FILES = SETS[args.set]
+    if args.set != "workflows" and not args.report_name:
+        args.report_name = args.set
     args.workdir = args.workdir.resolve()
     workers = [w for w in ("celery", "workhorse") if args.only in (None, w)]
     if not args.table:

@@ -7,6 +7,7 @@ import json
 import socket
 import urllib.request
 from datetime import datetime
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -46,21 +47,46 @@ def test_a_backlog_younger_than_the_target_does_not_grow_the_pool():
 
 def test_the_pool_shrinks_by_idle_children_only_after_the_idle_time_without_a_backlog():
     a = scaler(low=1, high=4, idle=10.0)
-    assert a.decide(0.0, 3, 1, ready=5, oldest_age=0.2) == 3       # a backlog, young
-    assert a.decide(5.0, 3, 3, ready=0, oldest_age=0.0) == 3       # idle 5 s: not yet
-    assert a.decide(10.0, 3, 0, ready=0, oldest_age=0.0) == 3      # every child busy
-    assert a.decide(10.0, 3, 2, ready=0, oldest_age=0.0) == 2
-    assert a.decide(10.5, 2, 2, ready=0, oldest_age=0.0) == 2      # a second between steps
-    assert a.decide(11.0, 2, 2, ready=0, oldest_age=0.0) == 1
-    assert a.decide(20.0, 1, 1, ready=0, oldest_age=0.0) == 1      # at the least
-    assert a.decide(21.0, 1, 0, ready=3, oldest_age=0.1) == 1
-    assert a.decide(25.0, 2, 2, ready=0, oldest_age=0.0) == 2      # the backlog was 4 s ago
+    assert a.decide(0.0, 3, 1, ready=5, oldest_age=2.0) == 4       # waiting past the target
+    assert a.decide(5.0, 4, 3, ready=0, oldest_age=0.0) == 4       # quiet 5 s: not yet
+    assert a.decide(10.0, 4, 2, ready=0, oldest_age=0.0) == 3
+    assert a.decide(10.5, 3, 2, ready=0, oldest_age=0.0) == 3      # a second between steps
+    assert a.decide(11.0, 3, 2, ready=0, oldest_age=0.0) == 2
+    # One idle child at a look: one fewer would have left none spare; the quiet time
+    # starts again.
+    assert a.decide(12.0, 2, 1, ready=0, oldest_age=0.0) == 2
+    assert a.decide(21.0, 2, 2, ready=0, oldest_age=0.0) == 2
+    assert a.decide(22.0, 2, 2, ready=0, oldest_age=0.0) == 1
+    assert a.decide(40.0, 1, 1, ready=0, oldest_age=0.0) == 1      # at the least
 
 
-def test_the_idle_time_counts_from_the_first_look_at_a_worker_that_starts_idle():
-    a = scaler(low=1, idle=10.0)
-    assert a.decide(100.0, 4, 4, ready=0, oldest_age=0.0) == 4
-    assert a.decide(110.0, 4, 4, ready=0, oldest_age=0.0) == 3
+def test_a_look_with_every_child_busy_keeps_the_pool_for_another_idle_time():
+    a = scaler(low=1, high=8, idle=10.0)
+    assert a.decide(0.0, 6, 2, ready=0, oldest_age=0.0) == 6
+    assert a.decide(9.0, 6, 0, ready=0, oldest_age=0.0) == 6       # all busy at this look
+    assert a.decide(18.0, 6, 2, ready=2, oldest_age=0.05) == 6     # young messages: no backlog
+    assert a.decide(19.0, 6, 2, ready=0, oldest_age=0.0) == 5
+
+
+def test_a_backlog_getting_younger_is_being_caught_up_and_grows_nothing():
+    a = scaler(high=8)
+    assert a.decide(0.0, 2, 0, ready=90, oldest_age=2.0) == 3
+    assert a.decide(1.0, 3, 0, ready=80, oldest_age=2.5) == 4
+    assert a.decide(2.0, 4, 0, ready=40, oldest_age=1.8) == 4      # younger: catching up
+    assert a.decide(3.0, 4, 0, ready=30, oldest_age=1.9) == 5      # older again
+
+
+def test_each_change_waits_for_a_reading_taken_after_the_last_one():
+    a = scaler(high=8)
+    assert a.decide(0.0, 2, 0, ready=90, oldest_age=2.0, read_at=0.0) == 3
+    assert a.decide(1.0, 3, 0, ready=90, oldest_age=2.0, read_at=0.0) == 3   # the same one
+    assert a.decide(2.0, 3, 0, ready=90, oldest_age=2.1, read_at=2.0) == 4
+
+
+def test_young_ready_messages_neither_grow_the_pool_nor_stop_it_shrinking():
+    a = scaler(low=1, high=8, idle=5.0)
+    assert a.decide(0.0, 4, 2, ready=3, oldest_age=0.2) == 4
+    assert a.decide(5.0, 4, 2, ready=3, oldest_age=0.2) == 3
 
 
 def test_the_load_is_the_busy_share_plus_how_far_the_oldest_message_is_past_the_target():
@@ -124,6 +150,19 @@ def test_the_backlog_thread_reads_ages_from_send_times_and_bounds_them_where_unk
     told["unstamped"] = Backlog(1)
     clock.now += 2
     assert thread.read(told.__getitem__, ["unstamped"]).queues["unstamped"].oldest_age == 2.0
+
+
+def test_an_unknown_age_is_bounded_by_the_last_message_taken_from_the_queue():
+    clock = Clock()
+    thread = BacklogThread(app=None, queues=lambda: ["q"],  # type: ignore[arg-type]
+                           clock=clock, monotonic=clock)
+    told = {"q": Backlog(4, None, 1)}
+    thread.read(told.__getitem__, ["q"])                   # not empty from 1000.0 on
+    clock.now += 30
+    assert thread.read(told.__getitem__, ["q"]).queues["q"].oldest_age == 30.0
+    thread.taken("q", SimpleNamespace(properties={"timestamp": 1027.5}, headers={}))
+    thread.taken("other", SimpleNamespace(properties={}, headers={}))   # no stamp: nothing
+    assert thread.read(told.__getitem__, ["q"]).queues["q"] == QueueView(4, 2.5, True, 1)
 
 
 def test_a_view_goes_stale_when_the_broker_stops_answering():

@@ -127,14 +127,16 @@ SETTINGS: tuple[Setting, ...] = (
             "--autoscale 8,2 order is read the same): concurrency is the size it starts at "
             "(brought within them); it grows by one child a second while the oldest ready "
             "message is older than autoscale_target_age, and retires one idle child a second "
-            "once no message has waited for autoscale_idle. None: a fixed pool.",
+            "once, for autoscale_idle, no message waited longer and some child was idle at "
+            "every look. None: a fixed pool.",
             reload=False),
     Setting("autoscale_target_age", "worker", t.seconds(positive=True), 1.0,
             "With autoscale: the pool grows while the oldest ready message of the queues "
             "consumed is older than this; /scale's load counts the backlog against it.",
             reload=False),
     Setting("autoscale_idle", "worker", t.seconds(positive=True), 30.0,
-            "With autoscale: the pool shrinks after this long without a message waiting.",
+            "With autoscale: the pool shrinks after this long with no message waiting past "
+            "autoscale_target_age and some child idle at every look.",
             reload=False),
     Setting("prefetch_multiplier", "worker", t.integer(1, 1000), 4,
             "The supervisor holds at most concurrency × prefetch_multiplier buffered and running "

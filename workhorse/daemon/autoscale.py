@@ -5,10 +5,12 @@ child is retired only between tasks).
 
 The rule, checked every second:
 - grow by one child while the oldest ready message of the consumed queues is older than
-  ``target_age`` (and the pool is below MAX);
-- shrink by one idle child once no message has been ready for ``idle`` seconds (and the
-  pool is above MIN);
-- at most one change a second, none while the backlog's view is stale (broker away).
+  ``target_age`` and is not getting younger (then the pool is catching up), up to MAX;
+- shrink by one idle child once, for ``idle`` seconds, no message has waited longer than
+  ``target_age`` and at every look two children or more were idle, so that one fewer would
+  still have left one idle (a steady load keeps the children it needs, and one spare);
+- at most one change a second, each on a reading of the backlog taken after the last
+  change; none while that reading is stale (broker away).
 """
 from __future__ import annotations
 
@@ -33,28 +35,46 @@ class Autoscaler:
     high: int
     target_age: float
     idle: float
-    #: Monotonic times: the last change, and when a message was last seen ready.
+    #: Monotonic times: the last change, the last look that found a message waiting past
+    #: the target age, and the last that found at most one child idle.
     changed_at: float = -math.inf
     backlog_at: float = -math.inf
+    tight_at: float = -math.inf
+    first_look: float | None = None
+    #: The reading the last change was made on; the last reading and its oldest age, and
+    #: the age the reading before it gave.
+    acted_on: float = -math.inf
+    read_last: float = -math.inf
+    age_last: float | None = None
+    age_before: float | None = None
 
     def decide(self, now: float, size: int, idle_children: int, ready: int,
-               oldest_age: float | None) -> int:
-        """The pool size to have from ``now``: ``size``, one more or one less."""
-        if ready > 0:
+               oldest_age: float | None, read_at: float | None = None) -> int:
+        """The pool size to have from ``now``: ``size``, one more or one less. ``read_at``:
+        when the backlog was read (a change waits for a reading taken after the last one,
+        so a child just added is seen at work before another is)."""
+        read_at = now if read_at is None else read_at
+        if self.first_look is None:
+            self.first_look = now           # the quiet time counts from the first look
+        if read_at > self.read_last:
+            self.read_last, self.age_before, self.age_last = read_at, self.age_last, oldest_age
+        waiting = ready > 0 and (oldest_age is None or oldest_age > self.target_age)
+        falling = (oldest_age is not None and self.age_before is not None
+                   and oldest_age < self.age_before)
+        if waiting:
             self.backlog_at = now
-        elif self.backlog_at == -math.inf:
-            self.backlog_at = now           # the idle time counts from the first look
-        if now - self.changed_at < STEP:
+        if idle_children <= 1:
+            self.tight_at = now
+        if now - self.changed_at < STEP or read_at <= self.acted_on:
             return size
         wanted = size
-        if size < self.high and ready > 0 and (oldest_age is None
-                                              or oldest_age > self.target_age):
+        quiet_since = max(self.backlog_at, self.tight_at, self.first_look)
+        if waiting and not falling and size < self.high:
             wanted = size + 1
-        elif (size > self.low and idle_children > 0 and ready == 0
-              and now - self.backlog_at >= self.idle):
+        elif size > self.low and now - quiet_since >= self.idle:
             wanted = size - 1
         if wanted != size:
-            self.changed_at = now
+            self.changed_at, self.acted_on = now, read_at
         return wanted
 
 

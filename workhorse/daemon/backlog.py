@@ -1,5 +1,5 @@
 """The backlog thread: what the queues the worker consumes hold, read from the broker on a
-connection of its own every ``PROBE_INTERVAL`` seconds, for the metrics, ``/scale`` and the
+connection of its own every ``PROBE_INTERVAL`` seconds (1), for the metrics, ``/scale`` and the
 autoscaler. The loop never waits on it: the thread replaces ``view`` whole, and readers
 take it as it is.
 
@@ -7,7 +7,9 @@ What each broker tells (``Channel.backlog``): ready messages on every broker; wh
 oldest ready one was sent on SQLite (its row's time) and Redis (the stamp of the message
 next to be taken, if its producer stamped it); RabbitMQ tells the count and its consumers
 but cannot show a message without taking it. Where the oldest message's age is not known,
-it is bounded from above by how long the queue has not been seen empty (``estimated``).
+it is bounded from above (``estimated``): by how long the queue has not been seen empty,
+and by the age of the last message this worker took from it (a queue hands out its
+messages in order, so the one next in line was sent after that one).
 
 Who owns what: the thread owns its connection; forks wait while it reads (the gate is
 held except while it sleeps; a polled SQLite file is read with it held, as by the other
@@ -20,9 +22,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ..transport.backlog import Backlog
+from ..transport.backlog import Backlog, sent_at
 from .service import RECONNECT_INTERVAL, ServiceThread
 
 if TYPE_CHECKING:
@@ -30,8 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("workhorse.backlog")
 
-#: Seconds between two reads of the queues.
-PROBE_INTERVAL = 2.0
+#: Seconds between two reads of the queues (the autoscaler acts on each new one).
+PROBE_INTERVAL = 1.0
 #: A view older than this many intervals is stale (the broker is away): nobody acts on it.
 STALE_AFTER = 3
 
@@ -85,6 +87,15 @@ class BacklogThread(ServiceThread):
         self._empty_at: dict[str, float] = {}
         self._wake = threading.Event()
         self._failures = 0
+        #: queue -> the send time of the last message taken from it here (loop thread).
+        self._last_taken: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ loop thread's API
+    def taken(self, queue: str, message: Any) -> None:
+        """A message arrived from ``queue``: its send time bounds the age of the next."""
+        sent = sent_at(message.properties, message.headers)
+        if sent is not None:
+            self._last_taken[queue] = sent
 
     def stop(self, timeout: float) -> None:
         self._stopping.set()
@@ -127,8 +138,11 @@ class BacklogThread(ServiceThread):
             elif sent is not None:
                 views[queue] = QueueView(ready, max(0.0, now - sent), False, consumers)
             else:
-                empty = self._empty_at.setdefault(queue, now)
-                views[queue] = QueueView(ready, now - empty, True, consumers)
+                bound = now - self._empty_at.setdefault(queue, now)
+                taken = self._last_taken.get(queue)
+                if taken is not None:
+                    bound = min(bound, max(0.0, now - taken))
+                views[queue] = QueueView(ready, bound, True, consumers)
         return View(views, self.monotonic())
 
     def _park(self, seconds: float | None) -> None:

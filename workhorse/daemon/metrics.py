@@ -159,7 +159,7 @@ def _scale_families(scale: Mapping[str, Any]) -> Iterator[Metric]:
     if scale["backlog_known"]:
         yield _labelled(GaugeMetricFamily, "workhorse_queue_ready_messages", "Messages ready "
                         "in each queue this worker consumes, as its broker tells (read every "
-                        "2 s).", "queue", {q: v["ready"] for q, v in queues.items()})
+                        "second).", "queue", {q: v["ready"] for q, v in queues.items()})
         yield _labelled(GaugeMetricFamily, "workhorse_queue_oldest_ready_age_seconds", "How "
                         "long the oldest ready message of each queue has waited (SQLite, "
                         "Redis: from its send time; else at most how long the queue has not "

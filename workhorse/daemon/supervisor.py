@@ -401,7 +401,7 @@ class Supervisor:
             return
         size = self.slots.size
         idle = sum(1 for _ in self.slots.idle())
-        wanted = scaler.decide(now, size, idle, view.ready, view.oldest_age)
+        wanted = scaler.decide(now, size, idle, view.ready, view.oldest_age, view.taken_at)
         if wanted != size:
             age = view.oldest_age
             oldest = "unknown" if age is None else f"{age:.1f} s old"
@@ -523,6 +523,8 @@ class Supervisor:
         delivery count; it is looked at after this turn's events. RabbitMQ's deliveries
         carry no owner mark: the journal names them as they arrive."""
         self.holding.inbox.append((queue, message, deliveries))
+        if self.backlog is not None:
+            self.backlog.taken(queue, message)
         if self.journal is not None and self.link.push:
             key = message_key(message, leased=False)
             if key is not None:
