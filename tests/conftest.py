@@ -456,3 +456,43 @@ def runs(tmp_path: Path) -> list[tuple[str, str, int]]:
     if not path.exists():
         return []
     return [(a, b, int(c)) for a, b, c in (line.split() for line in path.read_text().splitlines())]
+
+
+# ---------------------------------------------------------------- tiers, by marker
+#: What in a test module's source says it starts the real daemon, or talks to a broker
+#: server (a module may say it instead: ``TIER = "daemon"``).
+_DAEMON = re.compile(r"start_worker|\bWorker\(|\"-m\", \"workhorse\"|compat\.celery_suite")
+_SERVER = re.compile(r"require_service|REDIS_URL|AMQP_URL|private_redis|sentinel_set|"
+                     r"Cluster\(|Connection\(f?[\"']sqlite|\bStore\(|sqlite:////")
+_SOURCES: dict[str, str] = {}
+
+
+def tiers(item: pytest.Item) -> set[str]:
+    """The tiers a test is in: ``pure`` (logic against fakes: no daemon, no broker),
+    ``daemon`` (the real daemon as a subprocess), ``broker`` (a real broker: the embedded
+    SQLite file, or a Redis or RabbitMQ server), ``chaos``."""
+    module = getattr(item, "module", None)
+    path = getattr(module, "__file__", None) or ""
+    if path not in _SOURCES:
+        _SOURCES[path] = Path(path).read_text() if path else ""
+    source = _SOURCES[path]
+    found = set()
+    if getattr(module, "TIER", None) == "daemon" or _DAEMON.search(source):
+        found.add("daemon")
+    fixtures = getattr(item, "fixturenames", ())
+    if ("broker" in fixtures or "backlog" in fixtures or item.get_closest_marker("broker")
+            or _SERVER.search(source)):
+        found.add("broker")
+    if item.get_closest_marker("chaos"):
+        found.add("chaos")
+    return found or {"pure"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test gets its tiers as markers: ``pytest -m pure`` runs the fast logic tests,
+    ``-m daemon``, ``-m broker``, ``-m chaos`` the others (``-m "not chaos"``...)."""
+    for item in items:
+        for tier in tiers(item) - {"broker", "chaos"}:
+            item.add_marker(getattr(pytest.mark, tier))
+        if "broker" in tiers(item) and not item.get_closest_marker("broker"):
+            item.add_marker(pytest.mark.broker("any"))

@@ -39,6 +39,24 @@ def test_a_celery_apps_tasks_run_on_a_workhorse_worker(celery_client):
     assert "tasks: " in worker.log() and "celery_tasks.add" in worker.log()
 
 
+def test_a_celery_apps_own_celery_named_tasks_run_and_celerys_builtins_stay_out():
+    """``celery.ping`` (celery.contrib.testing, which Celery's test worker pings to know a
+    worker is up) is the app's task; Celery's workflow builtins are not registered."""
+    pytest.importorskip("celery")
+    from tests.apps.celery_tasks import app as celery_app
+
+    from workhorse.celeryapp import from_celery
+    app = from_celery(celery_app)
+    assert "celery.ping" in app.tasks and "celery_tasks.add" in app.tasks
+    assert not {"celery.chord_unlock", "celery.group", "celery.chain", "celery.chord"} & set(
+        app.tasks)
+
+
+def test_celery_ping_runs_on_a_workhorse_worker(celery_client):
+    client, _ = celery_client
+    assert client.send_task("celery.ping").get(timeout=20) == "pong"
+
+
 def test_celerys_task_api_works_inside_them(celery_client):
     """self.request and current_task, self.retry (RETRY stored, then the retry runs),
     self.replace (the replacement's result under the task's id), and Ignore."""

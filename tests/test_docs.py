@@ -29,6 +29,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -236,3 +237,21 @@ def test_each_script_command_shown_exists_and_parses(shown):
     run = subprocess.run([sys.executable, "-c", PARSE_ONLY, str(script), *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=50)
     assert run.returncode == 0, f"{shown}\n{run.stdout}{run.stderr}"
+
+
+@pytest.mark.parametrize(("module", "fixtures", "marker", "expected"), [
+    ("test_config", (), None, {"pure"}),
+    ("test_schedule_timing", (), None, {"pure"}),
+    ("test_worker", ("broker", "start_worker"), None, {"daemon", "broker"}),
+    ("test_sqlite_transport", (), None, {"broker"}),
+    ("test_schedules_exactly_once", ("broker",), "chaos", {"daemon", "broker", "chaos"}),
+])
+def test_tests_carry_their_tiers(module, fixtures, marker, expected):
+    """The tiers conftest gives (``pytest -m pure`` etc.), on modules whose tier is known."""
+    import importlib
+
+    from .conftest import tiers
+    item = SimpleNamespace(module=importlib.import_module(f"tests.{module}"),
+                           fixturenames=fixtures,
+                           get_closest_marker=lambda name: name if name == marker else None)
+    assert tiers(item) == expected  # type: ignore[arg-type]

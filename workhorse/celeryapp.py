@@ -54,10 +54,18 @@ def from_celery(celery_app: Any, main: str | None = None) -> App:
     except EntryError as exc:
         raise ConfigError(str(exc)) from None
     for name, task in sorted(celery_app.tasks.items()):
-        if name.startswith("celery.") or name in app.tasks:
+        if name in app.tasks or _celery_builtin(task):
             continue
         app.task(name=name, typing=False, **_options(task))(_runner(task))
     return app
+
+
+def _celery_builtin(task: Any) -> bool:
+    """One of Celery's own workflow tasks (celery.chord_unlock, celery.group, ...), which
+    run Celery's machinery, not the app's code: workhorse has its own where it needs one.
+    Other tasks named ``celery.*`` (``celery.contrib.testing``'s ``celery.ping``) are the
+    app's, and registered like any other."""
+    return getattr(getattr(task, "run", None), "__module__", "") == "celery.app.builtins"
 
 
 def _queue_types(celery_app: Any) -> tuple[str | None, dict[str, str]]:

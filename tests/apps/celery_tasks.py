@@ -3,6 +3,7 @@ what a Celery worker stores."""
 import os
 
 from celery import Celery
+from celery.contrib.testing import tasks as _testing  # noqa: F401 - registers celery.ping
 
 app = Celery("celery_tasks", broker=os.environ.get("WH_CELERY_BROKER"),
              backend=os.environ.get("WH_CELERY_BACKEND"))
