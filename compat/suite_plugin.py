@@ -26,19 +26,23 @@ from pathlib import Path
 import pytest
 
 import celery.contrib.pytest
+from celery.utils.nodenames import anon_nodename
 
 
 def _command(worker: str, concurrency: str) -> tuple[list[str], bytes]:
-    """The worker's command line and the line it logs once it consumes."""
+    """The worker's command line and the line it logs once it consumes. Either is named as
+    the suite's own in-process worker would be (``anon_nodename()``: gen<pid>@<host>, the
+    pid this test process's), which the inspect tests look their replies up by."""
     broker, backend = os.environ["TEST_BROKER"], os.environ["TEST_BACKEND"]
+    name = anon_nodename()
     if worker == "workhorse":
         return ([sys.executable, "-m", "workhorse", "worker", "-A", "suite_app:app",
-                 "-Q", "celery", "-c", concurrency, "-l", "INFO",
+                 "-Q", "celery", "-c", concurrency, "-l", "INFO", "-n", name,
                  "--broker-url", broker, "--result-backend", backend, "--result-extended"],
                 b"ready: consuming")
     if worker == "celery":
         return ([sys.executable, "-m", "celery", "-A", "suite_app:app", "worker",
-                 "-P", "prefork", "-c", concurrency, "-Q", "celery", "-l", "INFO",
+                 "-P", "prefork", "-c", concurrency, "-Q", "celery", "-l", "INFO", "-n", name,
                  "--without-gossip", "--without-mingle", "--without-heartbeat"],
                 b" ready.")
     raise SystemExit(f"SUITE_WORKER must be 'workhorse' or 'celery', not {worker!r}")

@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 from kombu import Producer
@@ -67,6 +69,37 @@ def test_replies_have_celerys_shapes():
     assert "w@h" in COMMANDS["report"](VIEW)["ok"]
 
 
+def test_replies_carry_what_celerys_worker_gives_where_workhorse_has_it():
+    """As Celery 5.7's worker: arguments as values (read from a JSON body), registered
+    tasks with their attributes and without Celery's builtins, the logical clock, the
+    timer priority of a scheduled task, the software line of the report, the settings
+    by Celery's names too."""
+    body = json.dumps([[1, {"x": 2}], {"z": 3}, {}])
+    tasks = {"tasks.a": SimpleNamespace(name="tasks.a", rate_limit="5/s", exchange=None),
+             "tasks.b": SimpleNamespace(name="tasks.b", rate_limit=None),
+             "celery.chunks": SimpleNamespace(name="celery.chunks")}
+    view = replace(VIEW, tasks=sorted(tasks), task_objects=tasks, clock=41,
+                   active=[_task("a1", body=body, content_type="application/json")],
+                   scheduled=[_task("s1", body="not json", content_type="application/json",
+                                    eta="2026-01-01T00:00:00.500000+00:00")],
+                   settings={"broker_url": "redis://u:***@h/0", "concurrency": 2})
+    [active] = COMMANDS["active"](view)
+    assert (active["args"], active["kwargs"]) == ([1, {"x": 2}], {"z": 3})
+    [scheduled] = COMMANDS["scheduled"](view)
+    assert scheduled["priority"] == 6 and scheduled["request"]["args"] == "(1, 2)"
+    assert COMMANDS["registered"](view) == ["tasks.a [rate_limit=5/s]", "tasks.b"]
+    assert COMMANDS["registered"](view, taskinfoitems=["name"]) == [
+        "tasks.a [name=tasks.a]", "tasks.b [name=tasks.b]"]
+    assert "celery.chunks" in COMMANDS["registered"](view, builtins=True)
+    assert COMMANDS["clock"](view) == {"clock": 41}
+    assert COMMANDS["report"](view)["ok"].startswith("software -> ")
+    conf = COMMANDS["conf"](view)
+    assert conf["worker_concurrency"] == 2 and "***" in conf["broker_url"]
+    v1 = _task("p1", body=json.dumps({"args": [7], "kwargs": {}}),
+               content_type="application/json")
+    assert v1.arguments() == ([7], {})
+
+
 def test_command_line_arguments_are_checked():
     assert control_client.arguments("ping", []) == {}
     assert control_client.arguments("query_task", ["a", "b"]) == {"ids": ["a", "b"]}
@@ -109,7 +142,8 @@ def test_inspect_through_celerys_client_and_workhorses_cli(broker, start_worker,
         [active] = inspect.active()[hostname]
         pids = inspect.stats()[hostname]["pool"]["processes"]
         assert active["name"] == "tests.apps.basic.gate" and active["worker_pid"] in pids
-        assert active["time_start"] and str(gate) in active["args"]
+        assert active["time_start"] and active["args"] == [str(gate), 1]
+        assert inspect.clock()[hostname]["clock"] > 0
         wait_until(lambda: (inspect.scheduled() or {}).get(hostname), 20, "the ETA task")
         assert [s["request"]["id"] for s in inspect.scheduled()[hostname]] == [waiting.id]
         found = inspect.query_task([running.id, waiting.id, "nobody"])[hostname]

@@ -79,6 +79,9 @@ class App:
         #: A Celery app's beat_schedule (under -A), as schedule entries; the config
         #: files' entries of the same names replace them.
         self.celery_schedule: list[Entry] = []
+        #: A Celery app's settings, as its worker's ``inspect conf`` shows them (passwords
+        #: in URLs hidden); None for a workhorse app.
+        self.celery_conf: dict[str, Any] | None = None
         self.result_cache = ResultCache()
         register_builtins(self)
         set_current_app(self)

@@ -27,6 +27,7 @@ from .exceptions import Ignore, Reject, Retry
 from .protocol import custom_headers
 from .schedules.celery import beat_entries
 from .schedules.entries import EntryError
+from .urls import redact
 
 #: Celery task attributes that are workhorse task options of the same meaning.
 _OPTIONS = ("acks_late", "reject_on_worker_lost", "acks_on_failure_or_timeout", "time_limit",
@@ -49,6 +50,9 @@ def from_celery(celery_app: Any, main: str | None = None) -> App:
         options = celery_app.conf.get(name)
         if isinstance(options, dict) and options:
             app.celery_transport_options[name] = dict(options)
+    app.celery_conf = {key: _shown(value) for key, value in
+                       celery_app.conf.table(with_defaults=False).items()
+                       if isinstance(key, str) and not key.startswith("__")}
     try:
         app.celery_schedule = beat_entries(celery_app)
     except EntryError as exc:
@@ -58,6 +62,19 @@ def from_celery(celery_app: Any, main: str | None = None) -> App:
             continue
         app.task(name=name, typing=False, **_options(task))(_runner(task))
     return app
+
+
+def _shown(value: Any) -> Any:
+    """A setting's value for a JSON reply: URLs without passwords, others as their repr."""
+    if isinstance(value, str):
+        return redact(value)
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_shown(item) for item in value]
+    if isinstance(value, dict):
+        return {str(key): _shown(item) for key, item in value.items()}
+    return repr(value)
 
 
 def _celery_builtin(task: Any) -> bool:

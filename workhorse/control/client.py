@@ -14,7 +14,7 @@ from .inspect import COMMANDS
 from .revoked import Revoked
 
 #: Commands whose positional arguments on the command line are a list under this name.
-LIST_ARGUMENT = {"query_task": "ids"}
+LIST_ARGUMENT = {"query_task": "ids", "registered": "taskinfoitems"}
 
 
 def mailbox() -> pidbox.Mailbox:

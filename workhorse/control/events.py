@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
 import time
 from datetime import datetime
 from typing import Any
@@ -28,14 +29,23 @@ def utcoffset() -> int:
 
 
 class Clock:
-    """A Lamport clock: every event the worker sends ticks it."""
+    """The worker's Lamport clock: every event it sends ticks it, and a remote-control
+    command's clock moves it past the sender's (as Celery's ``app.clock``). Shared by the
+    events and remote-control threads."""
 
     def __init__(self) -> None:
         self.value = 0
+        self._lock = threading.Lock()
 
     def forward(self) -> int:
-        self.value += 1
-        return self.value
+        with self._lock:
+            self.value += 1
+            return self.value
+
+    def adjust(self, other: int) -> int:
+        with self._lock:
+            self.value = max(self.value, other) + 1
+            return self.value
 
 
 def event(kind: str, hostname: str, clock: int, **fields: Any) -> dict[str, Any]:

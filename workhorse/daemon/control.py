@@ -26,6 +26,7 @@ from kombu import pidbox
 from kombu.exceptions import InconsistencyError
 
 from ..control.commands import ACTIONS, Steerable
+from ..control.events import Clock
 from ..control.inspect import COMMANDS, WorkerView
 from .service import ServiceThread, describe
 
@@ -54,8 +55,9 @@ class ControlThread(ServiceThread):
 
     def __init__(self, app: App, hostname: str, view: Callable[[], WorkerView],
                  steerable: Steerable, revokes_read: Callable[[Mapping[str, float]], None],
-                 where: str) -> None:
+                 where: str, clock: Clock | None = None) -> None:
         super().__init__(log)
+        self.clock = clock or Clock()           # moved past each command's
         self.app = app
         self.where = where              # the broker, for logs (password hidden)
         self.hostname = hostname
@@ -279,6 +281,11 @@ class _Node(pidbox.Node):
             if (body.get("arguments") or {}).get("ticket") == self.awaited:
                 self.awaited = None
             return None
+        sent = (getattr(message, "headers", None) or {}).get("clock")
+        if isinstance(sent, int) and not isinstance(sent, bool):
+            self.owner.clock.adjust(sent)
+        else:
+            self.owner.clock.forward()
         try:
             return super().handle_message(body, message)
         except Exception as exc:  # noqa: BLE001 - a bad command never ends the thread

@@ -50,14 +50,14 @@ class EventThread(ServiceThread):
     name = "events"
 
     def __init__(self, app: App, hostname: str, load: Callable[[], tuple[int, int]],
-                 task_events: bool, heartbeats: bool) -> None:
+                 task_events: bool, heartbeats: bool, clock: Clock | None = None) -> None:
         super().__init__(log)
         self.app = app
         self.hostname = hostname
         self.load = load                    # (active, processed), read racily: a gauge
         self.task_events = task_events      # the loop thread's switch (enable_events)
         self.heartbeats = heartbeats
-        self.clock = Clock()
+        self.clock = clock or Clock()
         self._queue: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._unsent: deque[dict[str, Any]] = deque(maxlen=BUFFER)
         #: Events dropped because too many were waiting (the broker was away or stuck).

@@ -31,6 +31,7 @@ from kombu.message import Message
 from ..app import BROKER_TIMEOUT, result_retry_policy
 from ..backends import RetryPolicy
 from ..config import Settings
+from ..control.events import Clock
 from ..control.inspect import TaskInfo, WorkerView
 from ..outcome import Outcome
 from ..pool.ipc import Done
@@ -143,9 +144,11 @@ class Supervisor:
                                  self.loop, self.system.monotonic)
         self.reloading = Reload(self.current, reload, self.slots, self.holding,
                                 self.settlement, self.system.monotonic, self._changed)
+        #: The worker's Lamport clock (events tick it; remote-control commands move it).
+        self.clock = Clock()
         #: Celery's event stream; task events are off until send_events or enable_events.
         self.events = (EventThread(app, self.hostname, self._load, settings.send_events,
-                                   settings.heartbeat_events)
+                                   settings.heartbeat_events, self.clock)
                        if settings.send_events or settings.heartbeat_events
                        or settings.remote_control else None)
         self.intake.events = self.dispatch.events = self.settlement.events = TaskEvents(
@@ -153,7 +156,8 @@ class Supervisor:
         steering = Steering(self.current, self.intake, self.holding, self.slots,
                             self.reloading, self.warm_shutdown, self.events, self.link)
         self.control = (ControlThread(app, self.hostname, self._worker_view, steering,
-                                      self._revokes_read, redact(settings.broker_url))
+                                      self._revokes_read, redact(settings.broker_url),
+                                      self.clock)
                         if settings.remote_control else None)
         #: Nothing is consumed until the revokes kept in the result store are known, so a
         #: worker started after a revoke never runs the revoked task (as Celery's mingle).
@@ -448,7 +452,9 @@ class Supervisor:
             time_limits=(s.soft_time_limit, s.time_limit), prefetch_count=self.holding.window,
             broker=redact(s.broker_url), revoked=self.intake.revoked.ids(),
             settings={name: (redact(v) if isinstance(v, str) else v)
-                      for name, v in s.as_dict().items()})
+                      for name, v in s.as_dict().items()},
+            task_objects=dict(self.app.tasks), clock=self.clock.value,
+            celery_conf=self.app.celery_conf)
 
     def _serve_metrics(self) -> None:
         if self.metrics_server is None:
@@ -782,4 +788,5 @@ def _task_info(delivery: Delivery, child: object, now: float, wall: float) -> Ta
         acknowledged=delivery.acked,
         time_start=wall - (now - started) if started is not None else None,
         worker_pid=getattr(child, "pid", None),
-        eta=eta.isoformat() if eta else None)
+        eta=eta.isoformat() if eta else None, body=delivery.message.body,
+        content_type=delivery.message.content_type)
