@@ -460,10 +460,11 @@ def runs(tmp_path: Path) -> list[tuple[str, str, int]]:
 
 # ---------------------------------------------------------------- tiers, by marker
 #: What in a test module's source says it starts the real daemon, or talks to a broker
-#: server (a module may say it instead: ``TIER = "daemon"``).
+#: (a module may say it instead: ``TIER = "daemon"``, or ``TIER = "pure"`` for one that
+#: only names them).
 _DAEMON = re.compile(r"start_worker|\bWorker\(|\"-m\", \"workhorse\"|compat\.celery_suite")
 _SERVER = re.compile(r"require_service|REDIS_URL|AMQP_URL|private_redis|sentinel_set|"
-                     r"Cluster\(|Connection\(f?[\"']sqlite|\bStore\(|sqlite:////")
+                     r"Cluster\(|Connection\(f?[\"']sqlite|\bStore\(|sqlite:////|BrokerEnv\(")
 _SOURCES: dict[str, str] = {}
 
 
@@ -476,6 +477,8 @@ def tiers(item: pytest.Item) -> set[str]:
     if path not in _SOURCES:
         _SOURCES[path] = Path(path).read_text() if path else ""
     source = _SOURCES[path]
+    if getattr(module, "TIER", None) == "pure":     # it only names workers and brokers
+        return {"pure"}
     found = set()
     if getattr(module, "TIER", None) == "daemon" or _DAEMON.search(source):
         found.add("daemon")

@@ -37,6 +37,8 @@ from workhorse.daemon.cli import build_parser
 
 from .conftest import IN_CI, ROOT
 
+#: It builds the site and parses commands; it only names workers (tests/conftest.py).
+TIER = "pure"
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 MAX_README_LINES = 400

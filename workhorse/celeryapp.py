@@ -50,9 +50,12 @@ def from_celery(celery_app: Any, main: str | None = None) -> App:
         options = celery_app.conf.get(name)
         if isinstance(options, dict) and options:
             app.celery_transport_options[name] = dict(options)
-    app.celery_conf = {key: _shown(value) for key, value in
-                       celery_app.conf.table(with_defaults=False).items()
-                       if isinstance(key, str) and not key.startswith("__")}
+    try:
+        app.celery_conf = {key: _shown(value) for key, value in
+                           celery_app.conf.table(with_defaults=False).items()
+                           if isinstance(key, str) and not key.startswith("__")}
+    except Exception:  # noqa: BLE001 - only inspect conf reads it: workhorse's names then
+        app.celery_conf = None
     try:
         app.celery_schedule = beat_entries(celery_app)
     except EntryError as exc:
@@ -74,7 +77,10 @@ def _shown(value: Any) -> Any:
         return [_shown(item) for item in value]
     if isinstance(value, dict):
         return {str(key): _shown(item) for key, item in value.items()}
-    return repr(value)
+    try:
+        return repr(value)
+    except Exception:  # noqa: BLE001 - an object that cannot show itself (a broken solar)
+        return f"<{type(value).__name__}>"
 
 
 def _celery_builtin(task: Any) -> bool:

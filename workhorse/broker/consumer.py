@@ -111,6 +111,8 @@ class BrokerConsumer:
         #: credit instead), and whether consuming pauses for want of room (``_pace``).
         self.per_consumer = 0
         self._paced = False
+        #: Resized: the consumers wait for room for their whole new share (``resize``).
+        self._restarting = False
         self._room: Callable[[], int] = lambda: 0
         self._queues_ready: set[str] = set()
         #: The RabbitMQ server's version, which says what its delivery marks mean (None:
@@ -176,7 +178,7 @@ class BrokerConsumer:
         self.rabbitmq = _rabbitmq(connection) if capabilities.push else None
         self._error_types = self._errors()
         self.consuming = True
-        self.paused = False
+        self.paused = self._restarting = False
         self.generation += 1
         self.connected_at = monotonic()
         self.recover()
@@ -318,7 +320,7 @@ class BrokerConsumer:
         self.producer = None
         self._channels = set()
         self.consuming = False
-        self.paused = False
+        self.paused = self._restarting = False
         self.on_lost(exc)
 
     def _guarded(self, function: Callable[..., Any], *args: Any) -> Any:
@@ -426,6 +428,8 @@ class BrokerConsumer:
     def poll(self) -> None:
         if self.driver is not None and self.consuming:
             self.driver.polled_at = monotonic()
+            if self._restarting:    # (a safety net: the credit's changes pace it)
+                self._pace()
             self._guarded(self.driver.poll)
 
     @property
@@ -487,10 +491,15 @@ class BrokerConsumer:
         self.per_consumer = share
         self._guarded(partial(driver.send_qos, per_consumer=True), self.consumers[0].channel,
                       share)
+        # A consumer started again may be sent its whole share at once, whatever its
+        # predecessor was sent and is still held: it starts only once the window has room
+        # for all of it (``_pace``), so the window holds while it changes; until then the
+        # children run what is held.
         if not self.paused:
+            self.paused = True
             for consumer in self.consumers:
                 self._guarded(consumer.cancel)
-                self._guarded(consumer.consume)
+        self._restarting = True
         self._pace()
 
     def _pace(self) -> None:
@@ -498,6 +507,12 @@ class BrokerConsumer:
         be sent (``_per_consumer``): consume only while there is room for one more from
         each; paused (cancelled) before the ack that would free one, which follows it on
         the channel."""
+        if self._restarting:
+            if self._room() >= self.per_consumer * len(self.consumers):
+                self._restarting = self.paused = False
+                for consumer in self.consumers:
+                    self._guarded(consumer.consume)
+            return
         if not self._paced:
             return
         room = self._room()
