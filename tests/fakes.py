@@ -166,6 +166,9 @@ class FakeBroker:
     def hand_back(self, queue: str, message: Any) -> None:
         self._do("hand_back", message)
 
+    def requeue_held_loss(self, queue: str, message: Any) -> None:
+        self._do("requeue_held_loss", message)
+
     def hand_back_later(self, queue: str, message: Any, seconds: int) -> None:
         self._do(f"hand_back_later:{seconds}", message)
 

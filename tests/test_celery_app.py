@@ -92,3 +92,18 @@ def test_errbacks_are_called_by_their_arity_as_celery_calls_them(celery_client):
         key = f"errback:{result.id}"
         wait_until(lambda key=key: store.lrange(key, 0, -1), 20, f"errback {name}")
         assert store.lrange(key, 0, -1) == [expected[name]], name
+
+
+def test_a_celery_apps_async_def_tasks_run_many_at_once_each_with_its_own_request(
+        celery_client):
+    """Celery runs an ``async def`` task's body as a coroutine nobody awaits (celery#6552);
+    under workhorse it runs on its child's event loop, 40 at once on 2 children here, and
+    ``self.request`` across the await is each one's own (Celery keeps its request stack
+    per thread: workhorse gives an async task's one per asyncio task)."""
+    import time
+    client, _ = celery_client
+    started = time.monotonic()
+    sent = [client.send_task("celery_tasks.async_whoami", (1.0,)) for _ in range(40)]
+    for result in sent:
+        assert result.get(timeout=30) == [result.id, result.id]
+    assert time.monotonic() - started < 15      # one at a time per child would take 20 s

@@ -53,12 +53,55 @@ def test_normal_life():
     child.on_hello()
     child.assign("delivery", JOB, 1.0)
     assert child.state is ChildState.BUSY and handle.sent == [JOB]
-    assert child.on_done(rss=123) == "delivery"
+    assert child.on_done(JOB.seq, rss=123).delivery == "delivery"
     assert (child.state, child.tasks_done, child.rss) == (ChildState.IDLE, 1, 123)
     child.stop()
     assert child.state is ChildState.STOPPING and isinstance(handle.sent[-1], Stop)
-    assert child.on_exit(0) is None
+    assert child.on_exit(0) == []
     assert child.state is ChildState.EXITED and handle.closed
+
+
+ASYNC = [JOB._replace(seq=seq, asynchronous=True) for seq in (11, 12, 13)]
+
+
+def test_an_async_child_takes_more_async_jobs_and_is_idle_when_all_are_done():
+    child, handle = make()
+    child.on_hello()
+    for frame in ASYNC:
+        assert child.takes_async(3)
+        child.assign(f"d{frame.seq}", frame, 1.0)
+    assert child.state is ChildState.BUSY and child.asynchronous and handle.sent == ASYNC
+    assert not child.takes_async(3) and child.takes_async(4)
+    with pytest.raises(InvalidTransition):
+        child.assign("sync", JOB, 2.0)          # never a sync job beside async ones
+    assert child.on_done(12, rss=5).delivery == "d12"
+    assert child.busy and set(child.jobs) == {11, 13}
+    child.on_done(11, rss=5)
+    child.on_done(13, rss=5)
+    assert child.state is ChildState.IDLE and not child.asynchronous and child.tasks_done == 3
+    child.assign("sync", JOB, 3.0)
+    with pytest.raises(InvalidTransition):
+        child.assign("d", ASYNC[0], 3.0)        # never an async job beside a sync one
+
+
+def test_a_draining_or_reserved_async_child_takes_no_more():
+    for flag in ("draining", "reserved"):
+        child, _ = make()
+        child.on_hello()
+        child.assign("d", ASYNC[0], 1.0)
+        setattr(child, flag, True)
+        assert not child.takes_async(100)
+
+
+def test_a_killed_async_child_returns_every_job_and_names_its_culprit():
+    child, _ = make()
+    child.on_hello()
+    for frame in ASYNC:
+        child.assign(f"d{frame.seq}", frame, 1.0)
+    child.kill("time_limit", "hard limit", culprit=12)
+    child.kill("other", "later", culprit=13)        # the first reason and culprit stand
+    assert child.culprit == 12 and child.kill_reason == "time_limit"
+    assert [r.delivery for r in child.on_exit(-9)] == ["d11", "d12", "d13"]
 
 
 def test_cannot_assign_to_a_child_that_has_not_said_hello():
@@ -89,7 +132,7 @@ def test_kill_while_busy_keeps_the_job_for_settlement():
     child.assign("d", JOB, 0.0)
     child.kill("time_limit")
     assert handle.killed == 1 and child.state is ChildState.BUSY
-    assert child.on_exit(-9) == "d"
+    assert [r.delivery for r in child.on_exit(-9)] == ["d"]
     assert child.kill_reason == "time_limit"
 
 
@@ -128,7 +171,7 @@ def test_stopping_a_child_that_has_exited_unreaped_is_not_an_error():
     handle.send = gone    # type: ignore[method-assign]
     child.stop()
     assert child.state is ChildState.STOPPING
-    assert child.on_exit(1) is None
+    assert child.on_exit(1) == []
 
 
 # ---------------------------------------------------------------- frames that do not belong
@@ -178,7 +221,7 @@ def test_a_done_reaching_an_idle_child_is_ignored_not_an_invalid_transition(capl
     done = Done(FakeHandle.pid, JOB.seq, "succeeded")
     handle.written = [done]
     [frame] = child.receive()
-    child.on_done(rss=1)
+    child.on_done(JOB.seq, rss=1)
     handle.written = [done]                 # the same job's Done, a second time
     with caplog.at_level(logging.WARNING):
         assert child.receive() == []

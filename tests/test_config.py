@@ -41,6 +41,8 @@ SAMPLES = {
     "queues": ("a,b", ("a", "b")),
     "concurrency": ("3", 3),
     "prefetch_multiplier": ("2", 2),
+    "async_concurrency": ("500", 500),
+    "loop_block_limit": ("2.5", 2.5),
     "max_tasks_per_child": ("100", 100),
     "max_memory_per_child": ("200MiB", 200 * 1024 * 1024),
     "graceful_timeout": ("5.5", 5.5),

@@ -77,6 +77,7 @@ BAD_SETTING_VALUES = {
     "acks_on_timeout": 0, "max_deliveries": 0, "time_limit": "30", "soft_time_limit": -1,
     "track_started": "on", "max_retries": "3", "default_retry_delay": "10",
     "retry_backoff": "true", "retry_backoff_max": float("inf"), "retry_jitter": "off",
+    "async_concurrency": 0,
 }
 
 

@@ -7,6 +7,7 @@ creating an import cycle (tests/test_import_graph.py).
 from __future__ import annotations
 
 import uuid
+from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -16,9 +17,10 @@ if TYPE_CHECKING:
 #: Apps in the order they were created; the last is the current one.
 _apps: list[App] = []
 
-#: Contexts (``self.request``) of the tasks running in this process, innermost last (a child
-#: runs one task at a time; the stack is for tasks called directly from other tasks).
-_contexts: list[Context] = []
+#: Contexts (``self.request``) of the tasks running in this process, innermost last: a
+#: context variable, so that each async task (an asyncio task of its own) has its own
+#: stack; a sync child runs one task at a time (the stack is for tasks called from tasks).
+_contexts: ContextVar[tuple[Context, ...]] = ContextVar("workhorse.contexts", default=())
 
 
 def set_current_app(app: App) -> None:
@@ -34,21 +36,22 @@ def current_app() -> App:
 
 
 def push_context(context: Context) -> None:
-    _contexts.append(context)
+    _contexts.set((*_contexts.get(), context))
 
 
 def pop_context() -> None:
-    _contexts.pop()
+    _contexts.set(_contexts.get()[:-1])
 
 
 def current_context() -> Context | None:
     """The request of the task running in this process, if any: the parent of what it sends."""
-    return _contexts[-1] if _contexts else None
+    contexts = _contexts.get()
+    return contexts[-1] if contexts else None
 
 
 def clear_contexts() -> None:
     """Forget every running task's context (for tests that play a child's part)."""
-    _contexts.clear()
+    _contexts.set(())
 
 
 def new_task_id() -> str:

@@ -15,9 +15,10 @@ Celery is imported only by the user's module: nothing here imports it at module 
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
-
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 from ._state import current_context
@@ -26,6 +27,7 @@ from .config import ConfigError
 from .exceptions import Ignore, Reject, Retry
 from .protocol import custom_headers
 from .schedules.celery import beat_entries
+from .task import is_async_function
 from .schedules.entries import EntryError
 from .urls import redact
 
@@ -123,34 +125,84 @@ def _options(task: Any) -> dict[str, Any]:
 
 
 def _runner(task: Any) -> Callable[..., Any]:
-    """The function workhorse calls: the Celery task's body, with Celery's request."""
-    def run(*args: Any, **kwargs: Any) -> Any:
-        from celery import exceptions as celery_exceptions   # the user's module imported it
-        from celery._state import _task_stack
-        context = current_context()
-        task.push_request(**_celery_request(context, args, kwargs))
-        _task_stack.push(task)
-        try:
-            return task.run(*args, **kwargs)
-        except celery_exceptions.Retry as retry:
-            if not task.ignore_result and context is not None and context.id:
-                task.backend.mark_as_retry(context.id, retry.exc or retry,
-                                           request=task.request)
-            raise Retry(str(retry), exc=retry.exc, when=retry.when) from retry
-        except celery_exceptions.Ignore as ignore:
-            raise Ignore(*ignore.args) from ignore
-        except celery_exceptions.Reject as reject:
-            raise Reject(reject.reason, requeue=bool(reject.requeue)) from reject
-        finally:
-            _task_stack.pop()
-            task.pop_request()
+    """The function workhorse calls: the Celery task's body, with Celery's request (an
+    ``async def`` one for an async Celery task, whose request stack is then one per asyncio
+    task: Celery's own is one per thread)."""
+    run: Any
+    if is_async_function(task.run):
+        task.request_stack = _ContextStack()
+
+        async def run_async(*args: Any, **kwargs: Any) -> Any:
+            with _celery_call(task, args, kwargs):
+                return await task.run(*args, **kwargs)
+        run = run_async
+    else:
+        def run_sync(*args: Any, **kwargs: Any) -> Any:
+            with _celery_call(task, args, kwargs):
+                return task.run(*args, **kwargs)
+        run = run_sync
     run.__name__ = task.name.rsplit(".", 1)[-1]
     run.__qualname__ = run.__name__
     try:   # what the task takes, for whoever asks (an errback's arity, as Celery's)
-        run.__signature__ = inspect.signature(task.run)  # type: ignore[attr-defined]
+        run.__signature__ = inspect.signature(task.run)
     except (TypeError, ValueError):
         pass
     return run
+
+
+@contextlib.contextmanager
+def _celery_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+    """Around a Celery task's body: its request pushed, and Celery's Retry, Ignore and
+    Reject made workhorse's."""
+    from celery import exceptions as celery_exceptions   # the user's module imported it
+    from celery._state import _task_stack
+    context = current_context()
+    task.push_request(**_celery_request(context, args, kwargs))
+    _task_stack.push(task)
+    try:
+        yield
+    except celery_exceptions.Retry as retry:
+        if not task.ignore_result and context is not None and context.id:
+            task.backend.mark_as_retry(context.id, retry.exc or retry, request=task.request)
+        raise Retry(str(retry), exc=retry.exc, when=retry.when) from retry
+    except celery_exceptions.Ignore as ignore:
+        raise Ignore(*ignore.args) from ignore
+    except celery_exceptions.Reject as reject:
+        raise Reject(reject.reason, requeue=bool(reject.requeue)) from reject
+    finally:
+        _task_stack.pop()
+        task.pop_request()
+
+
+class _ContextStack:
+    """Celery's request stack (push, pop, top) kept in a context variable: each asyncio
+    task sees the requests it pushed, not those of the tasks beside it."""
+
+    def __init__(self) -> None:
+        self._var: ContextVar[tuple[Any, ...]] = ContextVar("celery.request_stack",
+                                                            default=())
+
+    def push(self, obj: Any) -> None:
+        self._var.set((*self._var.get(), obj))
+
+    def pop(self) -> Any:
+        stack = self._var.get()
+        if not stack:
+            return None
+        self._var.set(stack[:-1])
+        return stack[-1]
+
+    @property
+    def top(self) -> Any:
+        stack = self._var.get()
+        return stack[-1] if stack else None
+
+    @property
+    def stack(self) -> list[Any]:
+        return list(self._var.get())
+
+    def __len__(self) -> int:
+        return len(self._var.get())
 
 
 def _celery_request(context: Any, args: tuple[Any, ...], kwargs: dict[str, Any]

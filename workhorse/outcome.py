@@ -22,6 +22,7 @@ class Outcome(str, enum.Enum):
     TIME_LIMIT = "time_limit"        # hard limit: the child was killed
     CHILD_LOST = "child_lost"        # the child died mid-task (signal, OOM, os._exit)
     SHUTDOWN_KILLED = "shutdown_killed"  # a cold shutdown killed the child mid-task
+    SIBLING_LOST = "sibling_lost"    # its child was killed for another async task
     RETRY = "retry"                  # the retry is published (and RETRY stored)
     ALREADY_DONE = "already_done"    # its SUCCESS (or idempotency key) is done: not run
     CLAIMED_ELSEWHERE = "claimed_elsewhere"  # idempotent: another delivery runs it now
@@ -36,6 +37,7 @@ class Action(str, enum.Enum):
     ACK = "ack"
     REQUEUE = "requeue"              # back to its queue; does not count as a delivery
     REQUEUE_COUNTED = "requeue_counted"  # back to its queue as a started delivery
+    REQUEUE_HELD_LOSS = "requeue_held_loss"  # back to its queue, counted as a held loss
     DEAD_LETTER = "dead_letter"      # a copy to the dead-letter queue, then ack (if not acked)
 
 
@@ -93,7 +95,8 @@ def decide(outcome: Outcome, policy: Policy, *, started: bool, deliveries: int =
     if not policy.acks_late:
         # At-most-once: acked when the child started it; only the result remains to write.
         store = {Outcome.TIME_LIMIT: Store.TIME_LIMIT, Outcome.CHILD_LOST: Store.WORKER_LOST,
-                 Outcome.SHUTDOWN_KILLED: Store.WORKER_LOST}.get(outcome, Store.NOTHING)
+                 Outcome.SHUTDOWN_KILLED: Store.WORKER_LOST,
+                 Outcome.SIBLING_LOST: Store.WORKER_LOST}.get(outcome, Store.NOTHING)
         return Decision(Action.NONE if started else Action.ACK, store)
     if outcome in (Outcome.SUCCEEDED, Outcome.RETRY, Outcome.IGNORED, Outcome.ALREADY_DONE):
         return Decision(Action.ACK)
@@ -119,6 +122,10 @@ def decide(outcome: Outcome, policy: Policy, *, started: bool, deliveries: int =
         if policy.reject_on_worker_lost:
             return _requeue_counted(policy, deliveries, Store.WORKER_LOST)
         return Decision(Action.DEAD_LETTER, Store.WORKER_LOST)
+    if outcome is Outcome.SIBLING_LOST:
+        # It did nothing wrong: not a delivery. A held loss all the same, so that a poison
+        # blamed on the wrong task cannot come back for ever (max_held_losses).
+        return Decision(Action.REQUEUE_HELD_LOSS)
     if outcome is Outcome.SHUTDOWN_KILLED:
         if policy.reject_on_worker_lost:
             return Decision(Action.REQUEUE)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+from contextvars import ContextVar
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -58,6 +59,12 @@ class Context:
     nominal_time: datetime | None = None
 
 
+def is_async_function(fun: Any) -> bool:
+    """Is ``fun`` an ``async def`` function (or a callable object whose call is one)?"""
+    return inspect.iscoroutinefunction(fun) or (
+        callable(fun) and inspect.iscoroutinefunction(type(fun).__call__))
+
+
 class _Unset:
     def __repr__(self) -> str:
         return "UNSET"
@@ -85,6 +92,8 @@ class Task:
     acks_on_failure: bool | None = None
     acks_on_timeout: bool | None = None
     max_deliveries: int | None = None
+    #: An async def task: at most this many at once in one child (None: the setting's).
+    async_concurrency: int | None = None
     time_limit: float | None = None
     soft_time_limit: float | None = None
     track_started: bool | None = None
@@ -128,21 +137,27 @@ class Task:
         self.name = name
         self.run = fun
         self.bind = bind
-        self._stack: list[Context] = []
+        #: The requests of this task's runs in progress here, innermost last: a context
+        #: variable, so each async run (an asyncio task of its own) sees its own.
+        self._stack: ContextVar[tuple[Context, ...]] = ContextVar(f"workhorse.request.{name}",
+                                                                  default=())
+        #: An ``async def`` task: its child runs it on an event loop, many at once.
+        self.is_async = is_async_function(fun)
         self.__doc__ = fun.__doc__
         self.__wrapped__ = fun
 
     # -- running
     @property
     def request(self) -> Context:
-        return self._stack[-1] if self._stack else Context()
+        stack = self._stack.get()
+        return stack[-1] if stack else Context()
 
     def push_request(self, context: Context) -> None:
-        self._stack.append(context)
+        self._stack.set((*self._stack.get(), context))
         push_context(context)
 
     def pop_request(self) -> None:
-        self._stack.pop()
+        self._stack.set(self._stack.get()[:-1])
         pop_context()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

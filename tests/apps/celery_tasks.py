@@ -64,6 +64,15 @@ def whoami(self):
             current_task.request.id == self.request.id]
 
 
+@app.task(name="celery_tasks.async_whoami", bind=True)
+async def async_whoami(self, seconds=0.2):
+    """An async def Celery task: its request is its own across the await."""
+    import asyncio
+    before = self.request.id
+    await asyncio.sleep(seconds)
+    return [before, self.request.id]
+
+
 @app.task(name="celery_tasks.replaced", bind=True)
 def replaced(self):
     raise self.replace(add.s(20, 22))

@@ -46,6 +46,8 @@ from ..protocol import (
     DEAD_TASK_HEADER,
     DEAD_WORKER_HEADER,
     DELIVERIES_HEADER,
+    HELD_LOSSES_HEADER,
+    carried_held_losses,
     Verdict,
     carried_deliveries,
     after_loss,
@@ -768,6 +770,14 @@ class BrokerConsumer:
         self._still_held(message)
         self.republish(queue, message, {DELIVERIES_HEADER: deliveries})
         self.ack(message)
+
+    def requeue_held_loss(self, queue: str, message: Message) -> None:
+        """Back to the end of its queue as a held loss, not a delivery that counts: a copy
+        carrying the deliveries before this one and one more held loss, then ack. (It ran
+        beside the task that got its child killed.)"""
+        self.hand_back(queue, message, {
+            DELIVERIES_HEADER: self._earlier(message),
+            HELD_LOSSES_HEADER: carried_held_losses(message.headers) + 1})
 
     def _still_held(self, message: Message) -> None:
         """Before replacing an unacked message by a copy: RabbitMQ took back what a lost

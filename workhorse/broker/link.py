@@ -289,6 +289,10 @@ class BrokerLink:
         self.submit(lambda c: c.requeue_counted(queue, message, deliveries),
                     f"{message_label(message)}: requeue (counted)")
 
+    def requeue_held_loss(self, queue: str, message: Message) -> None:
+        self.submit(lambda c: c.requeue_held_loss(queue, message),
+                    f"{message_label(message)}: requeue (a held loss)")
+
     def hand_back(self, queue: str, message: Message) -> None:
         self.submit(lambda c: c.hand_back(queue, message), f"{message_label(message)}: hand back")
 

@@ -141,6 +141,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("prefetch_multiplier", "worker", t.integer(1, 1000), 4,
             "The supervisor holds at most concurrency × prefetch_multiplier buffered and running "
             "messages; 1 fetches only what can start now."),
+    Setting("async_concurrency", "worker", t.integer(1, 100000), 100,
+            "How many async def tasks one child runs at once, on its event loop (a task's own "
+            "async_concurrency option can lower it for that task). A child runs either one "
+            "sync task or up to this many async ones, never both. The supervisor holds at "
+            "most concurrency × async_concurrency × prefetch_multiplier async messages."),
+    Setting("loop_block_limit", "worker", t.seconds(positive=True), 10.0,
+            "A child running async tasks whose event loop does not turn for this many "
+            "seconds (a task called time.sleep, a C call or a busy loop) is killed: the task "
+            "that blocked it is charged a delivery, its siblings go back to their queues "
+            "uncharged."),
     Setting("max_tasks_per_child", "worker", t.integer(1).or_none(), None,
             "Replace a child after it has run this many tasks (none: never)."),
     Setting("max_memory_per_child", "worker", t.memory_size().or_none(), None,

@@ -19,7 +19,8 @@ from .types import Invalid
 #: Options that are settings too; None (the default) means "the configured value", except
 #: for max_retries, where None means "no limit".
 SETTING_OPTIONS = ("acks_late", "reject_on_worker_lost", "acks_on_failure", "acks_on_timeout",
-                   "max_deliveries", "time_limit", "soft_time_limit", "track_started",
+                   "max_deliveries", "async_concurrency", "time_limit", "soft_time_limit",
+                   "track_started",
                    "max_retries", "default_retry_delay", "retry_backoff", "retry_backoff_max",
                    "retry_jitter")
 

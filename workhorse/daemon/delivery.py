@@ -33,6 +33,8 @@ class Delivery:
     stage: Stage = Stage.NEW
     acked: bool = False        # acked at start (acks_late = false)
     started: bool = False
+    #: An async def task's: it runs beside others in a child, and counts in the async window.
+    asynchronous: bool = False
     deliveries: int = 0        # its delivery count, this delivery included (when taken)
     #: How the worker's journal names it (None: not journaled, its losses count as starts).
     key: str | None = None

@@ -77,8 +77,11 @@ class Dispatch:
             if alone.stage in (Stage.RUNNING, Stage.ACKING, Stage.NEW):
                 return
             self._alone = None
+        if self.holding.async_window:
+            self._dispatch_mixed(idle)
+            return
         for child in idle[len(self.holding.acking):]:
-            delivery = self._next_startable()
+            delivery = self._next_startable(self._rate_limited)
             if delivery is None:
                 self.left_idle = True
                 return
@@ -94,8 +97,81 @@ class Dispatch:
             if delivery.suspect:
                 return
 
-    def _next_startable(self) -> Delivery | None:
-        while (delivery := self.holding.next_buffered(self._rate_limited)) is not None:
+    def _dispatch_mixed(self, idle: list[Child]) -> None:
+        """Where the app has async tasks: a sync message goes to an idle child; an async
+        one to the child with the fewest async tasks that has room for one more (an idle
+        child has none). A sync message that finds no idle child has one reserved for
+        it: that child is given no more async tasks until it is idle. An async message
+        charged before runs in an idle child, alone (``_alone_in_child``)."""
+        holding = self.holding
+        idle = idle[sum(1 for d in holding.acking if not d.asynchronous):]
+        # (Not one whose pipe is full: its loop is slow or blocked; no more for it now.)
+        busy = [c for c in self.slots.children()
+                if c.busy and c.asynchronous and not c.draining and not c.reserved
+                and not getattr(c.handle, "pending", False) and not self.slots.spent(c)]
+        default = self.current.settings.async_concurrency
+        waiting_sync = False
+        if not idle and not any(len(c.jobs) < default for c in busy):
+            # Nothing can start: no pass over a buffer of thousands each turn.
+            self._reserve_for_sync(busy, len(holding.buffer) > holding.buffered_async)
+            self.left_idle = False
+            return
+
+        def place(delivery: Delivery) -> Child | None:
+            if not delivery.asynchronous or _alone_in_child(delivery):
+                return idle[0] if idle else None
+            limit = min(getattr(delivery.task, "async_concurrency", None) or default, default)
+            candidates = [c for c in busy if len(c.jobs) < limit]
+            if idle:
+                return idle[0]
+            return min(candidates, key=lambda c: len(c.jobs)) if candidates else None
+
+        def must_wait(delivery: Delivery) -> bool:
+            nonlocal waiting_sync
+            if place(delivery) is None:
+                waiting_sync = waiting_sync or not delivery.asynchronous
+                return True
+            return self._rate_limited(delivery)
+
+        while (delivery := self._next_startable(must_wait)) is not None:
+            child = place(delivery)
+            assert child is not None
+            if delivery.suspect:
+                if holding.running or holding.acking:
+                    holding.buffer_first(delivery)
+                    break
+                self._alone = delivery
+            if delivery.policy.acks_late or delivery.acked:
+                was_idle = not child.busy
+                started = self._start(child, delivery)
+                if was_idle:
+                    idle.remove(child)
+                    # One charged before runs with no async task beside it.
+                    child.reserved = _alone_in_child(delivery)
+                    if (started and delivery.asynchronous and not child.reserved
+                            and not self.slots.spent(child)):
+                        busy.append(child)
+                elif not started or self.slots.spent(child):
+                    busy.remove(child)      # its pipe failed (it is killed), or it is spent
+            else:
+                self._ack_at_start(delivery)
+                if not delivery.asynchronous:
+                    idle.remove(child)      # kept for it while its ack is on its way
+            if delivery.suspect:
+                break
+        if not idle:
+            self._reserve_for_sync(busy, waiting_sync)
+        self.left_idle = bool(idle) or any(len(c.jobs) < default for c in busy)
+
+    def _reserve_for_sync(self, busy: list[Child], waiting_sync: bool) -> None:
+        """A sync message waits and every child runs async tasks: the least busy gets no
+        new ones (unless one is kept from them already), so it is soon idle for it."""
+        if waiting_sync and busy and not any(
+                c.reserved for c in self.slots.children() if c.busy):
+            min(busy, key=lambda c: len(c.jobs)).reserved = True
+
+    def _next_startable(self, wait: Callable[[Delivery], bool]) -> Delivery | None:
+        while (delivery := self.holding.next_buffered(wait)) is not None:
             if self.intake.cancelled(delivery):   # it expired or was revoked while it waited
                 continue
             twin = self.holding.twin(delivery.request.id or "")
@@ -135,13 +211,13 @@ class Dispatch:
     def _rate_woken(self) -> None:
         self._rate_wakeup = None       # the loop turns, and dispatches, after its timers
 
-    def _start(self, child: Child, delivery: Delivery) -> None:
+    def _start(self, child: Child, delivery: Delivery) -> bool:
         hard, soft = self._limits(delivery)
         if self.journal is not None and delivery.key is not None:
             self.journal.started(delivery.key)      # before the child can run it
         if not self.slots.start(child, delivery, self._job(delivery), hard, soft):
             self.holding.buffer_first(delivery)     # never started: first in line again
-            return
+            return False
         self.holding.start(delivery)
         delivery.started = True
         self.rate_limits.take(delivery.request.task, self.clock())
@@ -149,6 +225,7 @@ class Dispatch:
             self._waited(delivery)
         if self.events.on:
             self.events.started(delivery)
+        return True
 
     def _waited(self, delivery: Delivery) -> None:
         """How long it waited to start: since it was due (an ETA later than its send),
@@ -177,13 +254,15 @@ class Dispatch:
             delivery_info["redelivered"] = True
         priority = (message.properties or {}).get("priority")
         delivery_info.setdefault("priority", priority)      # as Celery's request has it
+        hard, soft = self._limits(delivery) if delivery.asynchronous else (None, None)
         return Job(delivery.seq, request.task, message.body, message.content_type,
                    message.content_encoding, dict(message.headers or {}),
                    delivery_info, self._track_started(delivery.task),
                    delivery.queue, priority,
                    delivery.policy.acks_late, claim_owner=self.claim_owner(delivery.seq),
                    claim_ttl=self.current.settings.visibility_timeout,
-                   properties=dict(message.properties or {}), events=self.events.on)
+                   properties=dict(message.properties or {}), events=self.events.on,
+                   asynchronous=delivery.asynchronous, soft_limit=soft, hard_limit=hard)
 
     def _ack_at_start(self, delivery: Delivery) -> None:
         """At-most-once: acked before a child gets it, so an ack that fails never lets it
@@ -227,3 +306,9 @@ class Dispatch:
         request, task, s = delivery.request, delivery.task, self.current.settings
         return (effective_limit(request.time_limit, task.time_limit, s.time_limit),
                 effective_limit(request.soft_time_limit, task.soft_time_limit, s.soft_time_limit))
+
+
+def _alone_in_child(delivery: Delivery) -> bool:
+    """An async message charged a delivery before (its child died with it, maybe for it)
+    runs in a child of its own: should it kill that child again, no task beside it pays."""
+    return delivery.asynchronous and (delivery.deliveries > 1 or delivery.suspect)

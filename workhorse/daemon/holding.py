@@ -12,7 +12,8 @@ parts carry out the broker and store work and tell it what became of each delive
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from kombu.message import Message
 
@@ -20,10 +21,27 @@ from ..pool.child import InvalidTransition
 from .delivery import Delivery, Stage
 
 
+def windows(size: int, prefetch_multiplier: int, async_concurrency: int,
+            tasks: Iterable[Any]) -> tuple[int, int]:
+    """The sync and async windows of a pool of ``size`` (async: 0 without async tasks)."""
+    window = size * prefetch_multiplier
+    has_async = any(getattr(task, "is_async", False) for task in tasks)
+    return window, window * async_concurrency if has_async else 0
+
+
 class Holding:
-    def __init__(self, window: int) -> None:
-        #: concurrency × prefetch_multiplier: buffered + running (+ received) at most.
+    def __init__(self, window: int, async_window: int = 0) -> None:
+        #: concurrency × prefetch_multiplier: sync messages buffered + running (+ received)
+        #: at most.
         self.window = window
+        #: concurrency × async_concurrency × prefetch_multiplier: the same for async
+        #: messages (0: the app has no async task).
+        self.async_window = async_window
+        #: Async messages buffered, acking or running; of them, buffered.
+        self.held_async = 0
+        self.buffered_async = 0
+        #: Whether each of the last messages placed was async (``room``).
+        self.recent: deque[bool] = deque(maxlen=max(1, window))
         #: Received (queue, message, delivery count), not yet looked at.
         self.inbox: deque[tuple[str, Message, int]] = deque()
         self.buffer: deque[Delivery] = deque()
@@ -41,9 +59,47 @@ class Holding:
         window bounds."""
         return len(self.inbox) + len(self.buffer) + len(self.acking) + len(self.running)
 
+    def room(self) -> int:
+        """How many more messages may be taken now (can be less than 0).
+
+        Which kind a message is shows only once it is here; the two bounds hold all the
+        same, because one that fits neither is handed back (``fits``). So that this is
+        rare, the room is that of the kinds among the last ``window`` messages placed,
+        the least of them: a queue that carries both kinds fills no more than both have
+        room for, and a hand-back can only come in the first batch after a run of one
+        kind. (No kind seen yet: both.)"""
+        inbox = len(self.inbox)
+        free_sync = self.window - (self.held - self.held_async)
+        if not self.async_window:
+            return free_sync
+        free_async = self.async_window - self.held_async - inbox
+        recent, seen_async = len(self.recent), sum(self.recent)
+        if recent and seen_async == recent:
+            return free_async
+        if recent and not seen_async:
+            return free_sync
+        return min(free_sync, free_async)
+
     def has_room(self, now: float) -> bool:
         """May one more message be taken? Our own count, not the broker's QoS."""
-        return self.held < self.window and now >= self.paused_until
+        return self.room() > 0 and now >= self.paused_until
+
+    def fits(self, delivery: Delivery) -> bool:
+        """Is there a place for one more of its kind? (Noted as the latest kind seen.)"""
+        self.recent.append(delivery.asynchronous)
+        if delivery.asynchronous:
+            return self.held_async < self.async_window
+        return self.held - len(self.inbox) - self.held_async < self.window
+
+    def limit(self) -> int:
+        """What the window is now, held included (the broker's credit follows it)."""
+        if not self.async_window:
+            return self.window
+        return self.held + max(0, self.room())
+
+    def set_windows(self, window: int, async_window: int) -> None:
+        self.window, self.async_window = window, async_window
+        self.recent = deque(self.recent, maxlen=max(1, window))
 
     def credit(self, now: float) -> int:
         """How many unacknowledged messages the broker may have out with us.
@@ -60,7 +116,7 @@ class Holding:
         acked_running = (len(self.acking) + sum(1 for d in self.buffer if d.acked)
                          + sum(1 for d in self.running if d.acked))
         unacked_storing = sum(1 for d in self.storing if not d.acked)
-        return self.window + len(self.scheduled) + unacked_storing - acked_running
+        return self.limit() + len(self.scheduled) + unacked_storing - acked_running
 
     def unsettled(self) -> list[Delivery]:
         """Everything taken from the broker and not yet settled with it (leases to renew)."""
@@ -87,6 +143,8 @@ class Holding:
         self._leave(delivery, Stage.NEW)
         delivery.stage = Stage.BUFFERED
         self.buffer.append(delivery)
+        self.held_async += delivery.asynchronous
+        self.buffered_async += delivery.asynchronous
 
     def buffer_first(self, delivery: Delivery) -> None:
         """Its time has come (ETA reached), its ack at start is done, or a child could not
@@ -94,6 +152,8 @@ class Holding:
         self._leave(delivery, Stage.NEW, Stage.SCHEDULED, Stage.RUNNING, Stage.ACKING)
         delivery.stage = Stage.BUFFERED
         self.buffer.appendleft(delivery)
+        self.held_async += delivery.asynchronous
+        self.buffered_async += delivery.asynchronous
 
     def next_buffered(self, wait: Callable[[Delivery], bool] | None = None) -> Delivery | None:
         """Take the first buffered delivery out of line, passing those ``wait`` says must
@@ -110,6 +170,8 @@ class Holding:
             self.buffer.remove(found)
             delivery = found
         delivery.stage = Stage.NEW
+        self.held_async -= delivery.asynchronous
+        self.buffered_async -= delivery.asynchronous
         return delivery
 
     def schedule(self, delivery: Delivery) -> None:
@@ -123,11 +185,13 @@ class Holding:
         self._leave(delivery, Stage.NEW)
         delivery.stage = Stage.ACKING
         self.acking.add(delivery)
+        self.held_async += delivery.asynchronous
 
     def start(self, delivery: Delivery) -> None:
         self._leave(delivery, Stage.NEW)
         delivery.stage = Stage.RUNNING
         self.running.add(delivery)
+        self.held_async += delivery.asynchronous
 
     def store(self, delivery: Delivery) -> None:
         """Over; held until its result is stored (a retry timer is set by the caller)."""
@@ -159,12 +223,16 @@ class Holding:
                 f"{' or '.join(s.value for s in expected)}")
         if stage is Stage.BUFFERED:
             self.buffer.remove(delivery)
+            self.held_async -= delivery.asynchronous
+            self.buffered_async -= delivery.asynchronous
         elif stage is Stage.SCHEDULED:
             self.scheduled.discard(delivery)
         elif stage is Stage.RUNNING:
             self.running.discard(delivery)
+            self.held_async -= delivery.asynchronous
         elif stage is Stage.ACKING:
             self.acking.discard(delivery)
+            self.held_async -= delivery.asynchronous
         elif stage is Stage.STORING:
             self.storing.discard(delivery)
         if delivery.timer is not None:      # its ETA, recheck or store-retry timer

@@ -102,6 +102,7 @@ class Intake:
             return
         delivery.deliveries = deliveries
         delivery.key = key
+        delivery.asynchronous = getattr(task, "is_async", False)
         delivery.suspect = is_suspect(message.headers)
         delivery.held_losses = held
         policy = delivery.policy
@@ -123,6 +124,11 @@ class Intake:
                           delivery.label, request.eta.isoformat())
                 return
             self.schedule(delivery, delay)
+        elif self.holding.async_window and not self.holding.fits(delivery):
+            # (taken as room for the other kind: see Holding.room)
+            log.debug("%s: no place left for a %s task; handed back to %s", delivery.label,
+                      "async" if delivery.asynchronous else "sync", delivery.queue)
+            self.settlement.hand_back(delivery)
         elif delivery.suspect:      # first, and alone (Dispatch): soon over, or named
             self.holding.buffer_first(delivery)
         else:

@@ -47,6 +47,13 @@ class Loop:
         except (KeyError, ValueError):
             pass
 
+    def add_writer(self, fd: int, callback: Callback) -> None:
+        """Call ``callback`` whenever ``fd`` can be written (a fd the loop does not read)."""
+        self.selector.register(fd, selectors.EVENT_WRITE, callback)
+
+    def remove_writer(self, fd: int) -> None:
+        self.remove_reader(fd)
+
     def readers(self) -> set[int]:
         return {key.fd for key in self.selector.get_map().values()}
 

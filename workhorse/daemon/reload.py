@@ -12,7 +12,7 @@ from ..config import SETTINGS, Settings
 from . import systemd
 from .autoscale import clamp
 from .current import Current
-from .holding import Holding
+from .holding import Holding, windows
 from .settlement import Settlement
 from .slots import Recycling, Slots
 
@@ -84,6 +84,7 @@ class Reload:
         self.slots.recycling = Recycling(settings.max_tasks_per_child,
                                          settings.max_memory_per_child)
         logging.getLogger().setLevel(settings.loglevel)
+        self.slots.loop_block_limit = settings.loop_block_limit
         self.slots.renew()
         # With autoscale the pool keeps the size it has grown or shrunk to.
         size = (clamp(self.slots.size, settings.autoscale) if settings.autoscale
@@ -100,12 +101,14 @@ class Reload:
             log.warning("%s: the pool stays at %d children (between %d and %d)", why,
                         self.slots.size, POOL_MIN, POOL_MAX)
             return
-        window = size * self.current.settings.prefetch_multiplier
+        s = self.current.settings
+        window, async_window = windows(size, s.prefetch_multiplier, s.async_concurrency,
+                                       self.current.app.tasks.values())
         if size != self.slots.size:
             self.slots.resize(size)
             log.info("%s: pool resized to %d children, prefetch window %d", why, size, window)
-        if window != self.holding.window:
-            self.holding.window = window
+        if (window, async_window) != (self.holding.window, self.holding.async_window):
+            self.holding.set_windows(window, async_window)
             self.on_change()
 
     def _consuming(self) -> str:

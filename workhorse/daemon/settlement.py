@@ -62,6 +62,9 @@ class Settlement:
         can store, then ack, requeue or dead-letter. Never lets an error escape."""
         decision = decide(outcome, delivery.policy, started=delivery.started,
                           deliveries=delivery.deliveries)
+        if outcome is Outcome.SIBLING_LOST and delivery.acked:
+            log.error("%s: lost: %s, and it was acked when it started (acks_late = false); "
+                      "FAILURE(WorkerLostError) stored, not run again", delivery.label, detail)
         if self.events.on:
             self.events.settled(delivery, outcome, decision, detail)
         if self.metrics is not None:
@@ -119,6 +122,11 @@ class Settlement:
                 log.warning("%s: %s; requeued (started %d of at most %d times)", delivery.label,
                             detail, delivery.deliveries, delivery.policy.max_deliveries)
                 self.broker.requeue_counted(queue, message, delivery.deliveries)
+            elif decision.action is Action.REQUEUE_HELD_LOSS:
+                log.info("%s: %s; requeued, not charged a delivery (held losses: %d of "
+                         "at most %d)", delivery.label, detail, delivery.held_losses + 1,
+                         self.current.settings.max_held_losses)
+                self.broker.requeue_held_loss(queue, message)
             elif decision.action is Action.DEAD_LETTER:
                 reason = f"{outcome.value}: {detail}" if detail else outcome.value
                 log.error("%s: dead-lettered to %s.dead: %s", delivery.label, queue, reason)

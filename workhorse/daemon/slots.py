@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..outcome import Outcome
-from ..pool.child import Child, ChildState, ProcessHandle, describe_exit
-from ..pool.ipc import Claimed, Corrupt, Done, Hello, Job
+from ..pool.child import Child, ChildState, ProcessHandle, Running, describe_exit
+from ..pool.ipc import Cancel, Claimed, Corrupt, Done, Hello, Job
 from ..pool.limits import SOFT_LIMIT_SIGNAL
 from . import systemd
 from .delivery import Delivery
@@ -36,6 +36,13 @@ CRASH_BACKOFF_MAX = 10.0
 #: A child revoked with terminate that still runs its task this long after the signal is
 #: SIGKILLed.
 TERMINATE_GRACE = 5.0
+#: An async job its child has not ended this long after its hard limit (when the child
+#: cancelled it) gets its child killed.
+ASYNC_GRACE = 0.5
+#: How often the event loops of children running async tasks are looked at.
+BLOCK_CHECK = 0.25
+#: A loop that has not beaten for this long is held by the code running on it.
+STALL = 0.3
 
 
 class OS(Protocol):
@@ -114,6 +121,8 @@ class Slots:
         self.to_retire = 0
         #: Told why each child that is replaced ended (metrics), if set.
         self.on_child_exit: Callable[[str], None] | None = None
+        #: A child's event loop that does not turn for this long gets it killed.
+        self.loop_block_limit = 10.0
 
     # ------------------------------------------------------------------ views
     @property
@@ -160,6 +169,21 @@ class Slots:
         child = Child(slot.index, handle, self.os.monotonic())
         slot.child = child
         self.loop.add_reader(handle.read_fd, lambda: self.on_readable(child))
+        forked: Any = handle
+        if hasattr(forked, "on_pending"):      # (a real child's: see ForkedProcess.send)
+            forked.on_pending = lambda: self.loop.add_writer(forked.write_fd,
+                                                             lambda: self._flush(child))
+
+    def spent(self, child: Child) -> bool:
+        """Has it been given max_tasks_per_child tasks? (It takes no more, async or not.)"""
+        limit = self.recycling.max_tasks
+        return limit is not None and child.tasks_started >= limit
+
+    def _flush(self, child: Child) -> None:
+        """The child's pipe takes more: write what waits for it."""
+        handle: Any = child.handle
+        if handle.flush():
+            self.loop.remove_writer(handle.write_fd)
 
     def on_readable(self, child: Child) -> None:
         for frame in child.receive():
@@ -171,8 +195,9 @@ class Slots:
             if isinstance(frame, Hello):
                 child.on_hello()
             elif isinstance(frame, Claimed):
-                if child.job is not None and child.job.seq == frame.seq:
-                    child.job.claim = (frame.key, frame.owner)
+                claimed = child.jobs.get(frame.seq)
+                if claimed is not None:
+                    claimed.delivery.claim = (frame.key, frame.owner)
             elif isinstance(frame, Done):
                 self._on_done(child, frame)
         if child.handle.at_eof:
@@ -181,10 +206,11 @@ class Slots:
             self.loop.remove_reader(child.handle.read_fd)
 
     def _on_done(self, child: Child, done: Done) -> None:
-        delivery: Delivery = child.on_done(done.rss)
-        self._cancel_limits(child)
+        running = child.on_done(done.seq, done.rss)
+        running.cancel_timers()
         self.slots[child.index].crashes = 0
-        self.events.job_done(delivery, done)
+        self.events.job_done(running.delivery, done)
+        delivery: Delivery = running.delivery
         if child.kill_reason is Outcome.TERMINATED:
             # Its task finished although it was told to terminate (it handled the signal,
             # or ended first): its own result stands, and the child goes as it was told.
@@ -224,17 +250,23 @@ class Slots:
             self.on_readable(child)     # what it wrote before dying (Done, Claimed)
         killed = child.kill_detail is not None or child.kill_reason is not None
         expected = child.state is ChildState.STOPPING and not killed
-        delivery = child.on_exit(code)
-        self._cancel_limits(child)
+        # Whose code ran as it died, where it ran async jobs (read before the handle,
+        # and with it the heart, is closed).
+        heart = getattr(child.handle, "heart", None)
+        at_death = heart.read()[1] if heart is not None and child.asynchronous else 0
+        jobs = child.on_exit(code)
+        for running in jobs:
+            running.cancel_timers()
         self.loop.remove_reader(child.handle.read_fd)
+        write_fd = getattr(child.handle, "write_fd", None)
+        if write_fd is not None:
+            self.loop.remove_writer(write_fd)
         how = describe_exit(code)
         if killed:
             why = child.kill_detail or "killed by the supervisor"
             how = f"killed by the supervisor: {why}"
-        if delivery is not None:
-            outcome = child.kill_reason or Outcome.CHILD_LOST
-            log.error("%s %s while running %s", child.name, how, delivery.label)
-            self.events.job_lost(delivery, outcome, child.kill_detail or f"child {how}")
+        if jobs:
+            self._lost(child, jobs, how, killed, at_death)
         elif not expected:
             (log.info if killed else log.error)("%s %s", child.name, how)
         if self.accepting():
@@ -242,6 +274,31 @@ class Slots:
                 self.on_child_exit(getattr(child.kill_reason, "value", None) or (
                     "killed" if killed else "recycled" if expected else "crashed"))
             self._replace(child, crashed=not expected and not killed)
+
+    def _lost(self, child: Child, jobs: list[Running], how: str, killed: bool,
+              at_death: int) -> None:
+        """Settle the jobs of a child that died. Where it ran several, the one it was
+        killed for, else the one whose code ran as it died, is charged; the others did
+        nothing wrong and go back as held losses. Where none can be named, all are
+        charged (a cold shutdown's kill charges none)."""
+        outcome = child.kill_reason or Outcome.CHILD_LOST
+        detail = child.kill_detail or f"child {how}"
+        seqs = {running.seq for running in jobs}
+        culprit = child.culprit if killed else (at_death if at_death in seqs else None)
+        named = next((r.delivery.label for r in jobs if r.seq == culprit), None)
+        if len(jobs) > 1:
+            log.error("%s %s while running %d tasks%s", child.name, how, len(jobs),
+                      f"; {named} is charged, the others go back" if named else "")
+        for running in jobs:
+            delivery = running.delivery
+            if culprit is None or running.seq == culprit or outcome is Outcome.SHUTDOWN_KILLED:
+                if len(jobs) == 1:
+                    log.error("%s %s while running %s", child.name, how, delivery.label)
+                self.events.job_lost(delivery, outcome, detail)
+            else:
+                self.events.job_lost(delivery, Outcome.SIBLING_LOST,
+                                     f"{child.name} was lost ({how}) while it ran this task "
+                                     f"beside {named or 'another'}")
 
     def _replace(self, child: Child, crashed: bool) -> None:
         slot = self.slots.get(child.index)
@@ -327,11 +384,18 @@ class Slots:
 
     def maybe_recycle(self, child: Child) -> None:
         """After a task, or while idle: replace a child past its limits or forked before a
-        reload, retire it if the pool is shrinking, stop it if the worker is stopping."""
+        reload, retire it if the pool is shrinking, stop it if the worker is stopping. One
+        still running async tasks is only given no more (``draining``), and goes when they
+        are over."""
         slot = self.slots[child.index]
         if self.to_retire and not slot.retiring:
             self.to_retire -= 1
             self._retire(slot)
+            if child.busy:
+                child.draining = True
+            return
+        if slot.retiring and not child.busy:
+            child.stop()
             return
         r = self.recycling
         reason = None
@@ -342,6 +406,12 @@ class Slots:
         elif r.max_memory and child.rss > r.max_memory:
             reason = (f"uses {child.rss // 1024} KiB "
                       f"(max_memory_per_child={r.max_memory // 1024} KiB)")
+        if child.busy:
+            if (reason or not self.accepting()) and not child.draining:
+                log.info("recycling %s once its %d async tasks are over: %s", child.name,
+                         len(child.jobs), reason or "stopping")
+                child.draining = True
+            return
         if reason:
             log.info("recycling %s: %s", child.name, reason)
         if reason or not self.accepting():
@@ -359,67 +429,155 @@ class Slots:
     # ------------------------------------------------------------------ jobs
     def start(self, child: Child, delivery: Delivery, job: Job, hard: float | None,
               soft: float | None) -> bool:
-        """Hand ``job`` to an idle child and arm its limits. False: the child is gone
-        (it is killed and replaced; the job never started)."""
+        """Hand ``job`` to a child and arm its limits. False: the child is gone (it is
+        killed and replaced; the job never started). An async job's limits are the
+        child's to enforce; the supervisor kills the child only if it has not ended the
+        job ``ASYNC_GRACE`` s after its hard limit."""
         now = self.os.monotonic()
         try:
-            child.assign(delivery, job, now)
+            running = child.assign(delivery, job, now)
         except OSError as exc:
             log.warning("%s cannot take a job (%s); replacing it", child.name, exc)
             child.kill(None, f"its pipe failed ({exc})")
             return False
+        if job.asynchronous:
+            if hard:
+                running.timers.append(self.loop.call_at(
+                    now + hard + ASYNC_GRACE, lambda: self._async_overdue(child, running,
+                                                                         hard)))
+            return True
         if soft:
-            child.timers.append(self.loop.call_at(
-                now + soft, lambda: self._soft_limit(child, delivery, soft)))
+            running.timers.append(self.loop.call_at(
+                now + soft, lambda: self._soft_limit(child, running, soft)))
         if hard:
-            child.timers.append(self.loop.call_at(
-                now + hard, lambda: self._hard_limit(child, delivery, hard)))
+            running.timers.append(self.loop.call_at(
+                now + hard, lambda: self._hard_limit(child, running, hard)))
         return True
 
-    def _soft_limit(self, child: Child, delivery: Delivery, seconds: float) -> None:
-        if child.job is not delivery:
+    def _soft_limit(self, child: Child, running: Running, seconds: float) -> None:
+        if child.jobs.get(running.seq) is not running:
             return
         log.warning("%s: soft time limit (%g s) exceeded; SoftTimeLimitExceeded raised in the "
-                    "task", delivery.label, seconds)
+                    "task", running.delivery.label, seconds)
         self.os.signal(child.pid, SOFT_LIMIT_SIGNAL)
 
-    def _hard_limit(self, child: Child, delivery: Delivery, seconds: float) -> None:
-        if child.job is not delivery:
+    def _hard_limit(self, child: Child, running: Running, seconds: float) -> None:
+        if child.jobs.get(running.seq) is not running:
             return
         why = f"hard time limit ({seconds:g} s) exceeded"
-        log.error("%s: %s; killing %s and what it started", delivery.label, why, child.name)
+        log.error("%s: %s; killing %s and what it started", running.delivery.label, why,
+                  child.name)
         child.kill(Outcome.TIME_LIMIT, why)
+
+    def _async_overdue(self, child: Child, running: Running, seconds: float) -> None:
+        """An async job still running ``ASYNC_GRACE`` s past its hard limit: its child did
+        not end it. If another job's code holds the loop, that one is killed for; else
+        this one (it swallows its cancellation, or blocks the loop itself)."""
+        if child.jobs.get(running.seq) is not running:
+            return
+        blocker = self._blocker(child)
+        if blocker is not None and blocker is not running and self._stalled(child):
+            self._kill_blocked(child, blocker, f"its event loop was held by "
+                               f"{blocker.delivery.label} while {running.delivery.label} "
+                               "passed its hard time limit")
+            return
+        why = (f"hard time limit ({seconds:g} s) exceeded, and still running "
+               f"{ASYNC_GRACE:g} s after it was cancelled")
+        log.error("%s: %s; killing %s, its %d other async tasks go back to their queues",
+                  running.delivery.label, why, child.name, len(child.jobs) - 1)
+        child.kill(Outcome.TIME_LIMIT, why, culprit=running.seq)
+
+    def check_loops(self) -> None:
+        """Every BLOCK_CHECK s: kill a child running async tasks whose event loop has not
+        turned for ``loop_block_limit`` s; the job whose code holds it is charged."""
+        now = self.os.monotonic()
+        for child in list(self.children()):
+            if not (child.busy and child.asynchronous):
+                continue
+            heart = getattr(child.handle, "heart", None)
+            if heart is None:
+                continue
+            beats = heart.read()[0]
+            if beats != child.beats[0]:
+                child.beats = (beats, now)
+            elif now - child.beats[1] > self.loop_block_limit:
+                blocker = self._blocker(child)
+                self._kill_blocked(child, blocker, f"its event loop did not turn for "
+                                   f"{now - child.beats[1]:.1f} s (loop_block_limit "
+                                   f"{self.loop_block_limit:g} s)")
+
+    def _stalled(self, child: Child) -> bool:
+        """Has the child's loop not turned since the last check, or for a few beats?"""
+        heart = getattr(child.handle, "heart", None)
+        if heart is None:
+            return False
+        beats = heart.read()[0]
+        now = self.os.monotonic()
+        if beats != child.beats[0]:
+            child.beats = (beats, now)
+            return False
+        return now - child.beats[1] >= STALL
+
+    @staticmethod
+    def _blocker(child: Child) -> Running | None:
+        """The job whose code runs on the child's loop now (its heart says), if any."""
+        heart = getattr(child.handle, "heart", None)
+        seq = heart.read()[1] if heart is not None else 0
+        return child.jobs.get(seq) if seq else None
+
+    def _kill_blocked(self, child: Child, blocker: Running | None, why: str) -> None:
+        if blocker is None:
+            log.error("%s: %s, and no task's code was running on it; killing it, its %d "
+                      "tasks are each charged a delivery", child.name, why, len(child.jobs))
+            child.kill(Outcome.CHILD_LOST, why)
+            return
+        detail = f"it blocked the event loop of {child.name}: {why}"
+        log.error("%s: %s; killing the child, its %d other async tasks go back to their "
+                  "queues", blocker.delivery.label, detail, len(child.jobs) - 1)
+        child.kill(Outcome.CHILD_LOST, detail, culprit=blocker.seq)
 
     def terminate(self, delivery: Delivery, sig: int) -> bool:
         """Revoked with terminate: send ``sig`` to the child running ``delivery`` and
         everything it started; if it still runs that job ``TERMINATE_GRACE`` s later,
-        SIGKILL. Its job is settled as TERMINATED (REVOKED, never run again). False: no
-        child runs it (it finished meanwhile)."""
-        child = next((c for c in self.children() if c.busy and c.job is delivery), None)
-        if child is None:
+        SIGKILL. Its job is settled as TERMINATED (REVOKED, never run again). An async
+        job is cancelled by its child instead (its siblings run on); its child is killed
+        only if the job has not ended ``TERMINATE_GRACE`` s later. False: no child runs it
+        (it finished meanwhile)."""
+        found = next(((c, r) for c in self.children() if c.busy
+                      and (r := c.running(delivery)) is not None), None)
+        if found is None:
             return False
+        child, running = found
         try:
             name = signal.Signals(sig).name
         except ValueError:
             name = f"signal {sig}"
         detail = f"revoked with terminate ({name})"
+        if child.asynchronous:
+            log.warning("%s: %s; cancelled in %s", delivery.label, detail, child.name)
+            try:
+                child.handle.send(Cancel(running.seq, Outcome.TERMINATED.value, detail))
+            except OSError:
+                pass        # it is exiting: its exit settles the job
+
+            def not_ended() -> None:
+                if child.jobs.get(running.seq) is running:
+                    log.error("%s: still running %.0f s after it was cancelled; killing %s",
+                              delivery.label, TERMINATE_GRACE, child.name)
+                    child.kill(Outcome.TERMINATED, detail, culprit=running.seq)
+            running.timers.append(self.loop.call_later(TERMINATE_GRACE, not_ended))
+            return True
         log.warning("%s: %s; signalling %s and what it started", delivery.label, detail,
                     child.name)
         child.terminate(Outcome.TERMINATED, detail, sig)
         if sig != signal.SIGKILL:
             def still_running() -> None:
-                if child.job is delivery:
+                if child.jobs.get(running.seq) is running:
                     log.error("%s: still running %.0f s after %s; killing %s",
                               delivery.label, TERMINATE_GRACE, name, child.name)
                     child.kill(Outcome.TERMINATED, detail)
-            child.timers.append(self.loop.call_later(TERMINATE_GRACE, still_running))
+            running.timers.append(self.loop.call_later(TERMINATE_GRACE, still_running))
         return True
-
-    @staticmethod
-    def _cancel_limits(child: Child) -> None:
-        for timer in child.timers:
-            timer.cancel()
-        child.timers.clear()
 
     # ------------------------------------------------------------------ stopping
     def stop_idle(self) -> None:
@@ -444,11 +602,11 @@ class Slots:
         """One line per child, for the USR1 state dump."""
         now = self.os.monotonic()
         for child in self.children():
-            job: Any = child.job
-            running = (f"{job.label} for {now - child.job_started_at:.1f} s" if job
-                       else "-")
+            jobs = ", ".join(f"{r.delivery.label} for {now - r.started_at:.1f} s"
+                             for r in child.jobs.values()) or "-"
             yield (f"{child!r} up {now - child.spawned_at:.0f} s, tasks_done="
-                   f"{child.tasks_done}, job={running}")
+                   f"{child.tasks_done}, {'async jobs' if child.asynchronous else 'job'}="
+                   f"{jobs}")
 
 
 def _retire_order(slot: Slot) -> tuple[bool, int]:

@@ -47,7 +47,7 @@ from .control import ControlThread
 from .current import Current
 from .dispatch import Dispatch
 from .exitcodes import ExitCode
-from .holding import Holding
+from .holding import Holding, windows
 from .intake import Intake
 from ..broker.journal import Entry, Journal, directory_for, message_key
 from .leases import Leases
@@ -66,7 +66,7 @@ from .service import ServiceThread
 from .steering import Steering
 from .settlement import Settlement
 from .signals import SignalPipe
-from .slots import Recycling, Slots
+from .slots import BLOCK_CHECK, Recycling, Slots
 from .system import System
 
 if TYPE_CHECKING:
@@ -119,10 +119,12 @@ class Supervisor:
         self.loop = Loop(self.system.monotonic)
         self.signals = SignalPipe(HANDLED_SIGNALS)
         size = clamp(settings.concurrency, settings.autoscale)
-        self.holding = Holding(size * settings.prefetch_multiplier)
+        self.holding = Holding(*windows(size, settings.prefetch_multiplier,
+                                        settings.async_concurrency, app.tasks.values()))
         self.link: BrokerPort = link or BrokerLink(
             app, list(settings.queues), self.loop, self.receive, self._connected,
-            self._broker_lost, self._gave_up, lambda: self.holding.window,
+            self._broker_lost, self._gave_up,
+            lambda: max(self.holding.window, self.holding.async_window),
             settings.broker_connection_max_retries,
             settings.broker_connection_retry_on_startup, self._acked_running)
         self.settlement = Settlement(self.current, self.link, self.loop, self.holding,
@@ -135,6 +137,7 @@ class Supervisor:
                                            settings.max_memory_per_child), self._accepting,
                            max_boot_failures=settings.max_boot_failures,
                            may_fork=self._may_fork)
+        self.slots.loop_block_limit = settings.loop_block_limit
         self.leases = Leases(self.current, self.link, self.holding,
                              settings.visibility_timeout, self._changed)
         owner = f"{self.hostname}:{self.system.getpid()}"     # (getpid is a system call)
@@ -249,7 +252,7 @@ class Supervisor:
         if self.link.push:          # only a broker that pushes (RabbitMQ) has a credit
             self.link.set_credit(self.holding.credit(now))
         holding = self.holding
-        free = holding.window - holding.held
+        free = holding.room()
         # Starved: nothing is buffered, or what is must wait (a rate limit) and the last
         # dispatch left a child idle.
         self.link.set_room(free if self._accepting() and self._revokes_known
@@ -266,7 +269,7 @@ class Supervisor:
         # fork, with the configured retries.
         self.app.backend.retry_policy = RetryPolicy(always_retry=False)
         try:
-            _log_banner(self.current, self.holding.window)
+            _log_banner(self.current, self.holding)
             self._open_journal()
             self.slots.spawn_all()
             self._start_timers()
@@ -434,7 +437,8 @@ class Supervisor:
         """What ``inspect`` replies are made of (loop thread; the control thread asks)."""
         s = self.settings
         now, wall = self.system.monotonic(), time.time()
-        running = {id(child.job): child for child in self.slots.children() if child.job}
+        running = {id(r.delivery): (child, r) for child in self.slots.children()
+                   for r in child.jobs.values()}
         by_stage: dict[Stage, list[TaskInfo]] = {Stage.RUNNING: [], Stage.BUFFERED: [],
                                                  Stage.SCHEDULED: []}
         for delivery in self.holding.all():
@@ -497,6 +501,8 @@ class Supervisor:
             self._every(RESULT_PURGE_INTERVAL, self._purge_results)
         if self.autoscaler is not None:
             self._every(AUTOSCALE_STEP, self._autoscale)
+        if self.holding.async_window:
+            self._every(BLOCK_CHECK, self.slots.check_loops)
         watchdog = systemd.watchdog_interval()
         if watchdog:
             self._every(watchdog, self._ping_watchdog)
@@ -765,20 +771,25 @@ class Supervisor:
             self.phase = Phase.STOPPED
 
 
-def _log_banner(current: Current, window: int) -> None:
+def _log_banner(current: Current, holding: Holding) -> None:
     s = current.settings
-    log.info("workhorse %s: %d children, prefetch window %d, queues %s",
-             s.hostname, s.concurrency, window, ", ".join(s.queues))
+    windows = (f"prefetch window {holding.window} (async tasks: {holding.async_window}, "
+               f"up to {s.async_concurrency} a child)" if holding.async_window
+               else f"prefetch window {holding.window}")
+    log.info("workhorse %s: %d children, %s, queues %s",
+             s.hostname, s.concurrency, windows, ", ".join(s.queues))
     log.info("broker: %s", redact(s.broker_url))
     log.info("results: %s", redact(s.result_backend))
     log.info("state directory: %s", s.state_dir)
     log.info("tasks: %s", ", ".join(sorted(current.app.tasks)) or "(none registered)")
 
 
-def _task_info(delivery: Delivery, child: object, now: float, wall: float) -> TaskInfo:
+def _task_info(delivery: Delivery, running: tuple[Any, Any] | None, now: float,
+               wall: float) -> TaskInfo:
     headers = delivery.request.headers
     info = delivery.message.delivery_info or {}
-    started = getattr(child, "job_started_at", None)
+    child, job = running if running is not None else (None, None)
+    started = getattr(job, "started_at", None)
     eta = delivery.request.eta
     return TaskInfo(
         id=delivery.request.id, name=delivery.request.task,

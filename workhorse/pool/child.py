@@ -68,7 +68,27 @@ def describe_exit(code: int) -> str:
     return f"exited with status {code}"
 
 
+class Running:
+    """One job a child runs: its delivery, when it started, its limit timers."""
+
+    __slots__ = ("delivery", "seq", "started_at", "timers")
+
+    def __init__(self, delivery: Any, seq: int, started_at: float) -> None:
+        self.delivery = delivery
+        self.seq = seq
+        self.started_at = started_at
+        self.timers: list[Any] = []
+
+    def cancel_timers(self) -> None:
+        for timer in self.timers:
+            timer.cancel()
+        self.timers.clear()
+
+
 class Child:
+    """A child runs one sync job, or up to its async_concurrency async ones (``asynchronous``
+    while it does); it is BUSY while it runs any."""
+
     def __init__(self, index: int, handle: ProcessHandle, spawned_at: float) -> None:
         self.index = index
         self.handle = handle
@@ -76,15 +96,35 @@ class Child:
         self.spawned_at = spawned_at
         self.state = ChildState.SPAWNING
         self.booted = False                  # said Hello: it got through its setup
-        self.job: Any = None                 # the Delivery it runs, while BUSY
-        self.job_seq: int | None = None      # and that job's seq
-        self.job_started_at = 0.0
-        self.timers: list[Any] = []          # the running job's limit timers
+        self.jobs: dict[int, Running] = {}   # by seq, while BUSY
+        self.asynchronous = False            # its jobs are async ones (while BUSY)
+        #: Given no new async job: it is replaced (or retired) once its jobs are over.
+        self.draining = False
+        #: Given no new async job: a sync task waits for it to be idle (``Dispatch``).
+        self.reserved = False
         self.tasks_done = 0
+        self.tasks_started = 0
         self.rss = 0
         self.kill_reason: Any = None         # why the supervisor killed it (an Outcome)
         self.kill_detail: str | None = None  # ... in words: "hard time limit (4 s) exceeded"
+        #: The job the supervisor killed it for, where it ran several: the others did
+        #: nothing wrong.
+        self.culprit: int | None = None
         self.exitcode: int | None = None
+        #: The heartbeat last read (beats, supervisor's time it moved): see Slots.
+        self.beats: tuple[int, float] = (0, spawned_at)
+
+    @property
+    def job(self) -> Any:
+        """The delivery of its one job (a sync one, or the first async), or None."""
+        return next(iter(self.jobs.values())).delivery if self.jobs else None
+
+    def running(self, delivery: Any) -> Running | None:
+        """Its record of ``delivery``, if it runs it."""
+        for running in self.jobs.values():
+            if running.delivery is delivery:
+                return running
+        return None
 
     def _expect(self, *states: ChildState) -> None:
         if self.state not in states:
@@ -116,9 +156,8 @@ class Child:
         if sender != self.pid:
             return (f"from pid {sender}, not the child (a process its task forked?)"
                     if isinstance(sender, int) else "that is not a frame")
-        if isinstance(frame, (Claimed, Done)) and (
-                self.state is not ChildState.BUSY or frame.seq != self.job_seq):
-            running = f"job {self.job_seq}" if self.state is ChildState.BUSY else "no job"
+        if isinstance(frame, (Claimed, Done)) and frame.seq not in self.jobs:
+            running = (f"jobs {', '.join(map(str, self.jobs))}" if self.jobs else "no job")
             return f"about job {frame.seq} while it runs {running}"
         return None
 
@@ -130,23 +169,38 @@ class Child:
         if self.state is ChildState.SPAWNING:
             self.state = ChildState.IDLE
 
-    def assign(self, job: Any, frame: Job, now: float) -> None:
-        self._expect(ChildState.IDLE)
-        self.handle.send(frame)
-        self.state = ChildState.BUSY
-        self.job = job
-        self.job_seq = frame.seq
-        self.job_started_at = now
+    def takes_async(self, limit: int) -> bool:
+        """May it be given one more async job, with ``limit`` of them at once?"""
+        if self.state is ChildState.IDLE:
+            return True
+        return (self.state is ChildState.BUSY and self.asynchronous and not self.draining
+                and not self.reserved and len(self.jobs) < limit)
 
-    def on_done(self, rss: int) -> Any:
-        """The job finished; return it (its limit timers are the caller's to cancel)."""
+    def assign(self, job: Any, frame: Job, now: float) -> Running:
+        """Hand it a job: a sync one when it is idle, an async one when it is idle or runs
+        async ones."""
+        if not (frame.asynchronous and self.state is ChildState.BUSY and self.asynchronous):
+            self._expect(ChildState.IDLE)
+        self.handle.send(frame)
+        if self.state is ChildState.IDLE:
+            self.beats = (self.beats[0], now)    # a loop that starts now: not blocked yet
+        self.state = ChildState.BUSY
+        self.asynchronous = frame.asynchronous
+        running = self.jobs[frame.seq] = Running(job, frame.seq, now)
+        self.tasks_started += 1
+        return running
+
+    def on_done(self, seq: int, rss: int) -> Running:
+        """Job ``seq`` finished; return its record (its limit timers are the caller's to
+        cancel)."""
         self._expect(ChildState.BUSY)
-        job, self.job, self.job_seq = self.job, None, None
-        self.state = ChildState.IDLE
+        running = self.jobs.pop(seq)
+        if not self.jobs:
+            self.state = ChildState.IDLE
+            self.asynchronous = False
         self.tasks_done += 1
         self.rss = rss
-        return job
-
+        return running
     def stop(self) -> None:
         """Ask an idle (or still starting) child to exit."""
         self._expect(ChildState.IDLE, ChildState.SPAWNING)
@@ -156,13 +210,16 @@ class Child:
         except BrokenPipeError:
             pass    # it has exited already, not yet reaped: SIGCHLD tells the supervisor
 
-    def kill(self, reason: Any, detail: str | None = None) -> None:
-        """SIGKILL the child and everything it started; its job is settled on exit. The
-        first reason given is the one reported."""
+    def kill(self, reason: Any, detail: str | None = None, culprit: int | None = None
+             ) -> None:
+        """SIGKILL the child and everything it started; its jobs are settled on exit. The
+        first reason given is the one reported; ``culprit``: the job it is killed for,
+        where it runs several."""
         self._expect(ChildState.SPAWNING, ChildState.IDLE, ChildState.BUSY, ChildState.STOPPING)
         if self.kill_reason is None and self.kill_detail is None:
             self.kill_reason = reason
             self.kill_detail = detail
+            self.culprit = culprit
         self.handle.kill_tree()
         if self.state is not ChildState.BUSY:
             self.state = ChildState.STOPPING
@@ -177,14 +234,14 @@ class Child:
             self.kill_detail = detail
         self.handle.kill_tree(sig)
 
-    def on_exit(self, code: int) -> Any:
-        """The process is gone; return the job it held, if any."""
+    def on_exit(self, code: int) -> list[Running]:
+        """The process is gone; return the jobs it held, in the order they started."""
         self._expect(ChildState.SPAWNING, ChildState.IDLE, ChildState.BUSY, ChildState.STOPPING)
-        job, self.job, self.job_seq = self.job, None, None
+        jobs, self.jobs = list(self.jobs.values()), {}
         self.state = ChildState.EXITED
         self.exitcode = code
         self.handle.close()
-        return job
+        return jobs
 
     @property
     def busy(self) -> bool:

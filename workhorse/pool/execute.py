@@ -9,10 +9,11 @@ import logging
 import os
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ..canvas import signature
@@ -46,6 +47,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("workhorse.child")
 
 
+class Interrupted(BaseException):
+    """Thrown into an async task's flow when its own code was cancelled from outside: at
+    its hard time limit, or revoked with terminate. A BaseException: nothing the flow runs
+    for a task's failure (errbacks, a stored FAILURE) is run for it."""
+
+    def __init__(self, outcome: Outcome, detail: str) -> None:
+        super().__init__(outcome, detail)
+        self.outcome = outcome
+        self.detail = detail
+
+
 @dataclass(frozen=True)
 class Finished:
     outcome: Outcome
@@ -70,6 +82,26 @@ class TaskExecution:
         self.claim_key: str | None = None     # the idempotency key this run holds
 
     def run(self) -> Finished:
+        """Run a sync task: its body is called here, with ``around_task`` around it."""
+        flow = self.flow()
+        try:
+            body = next(flow)
+            while True:
+                try:
+                    with self.around_task():
+                        value = body()
+                except BaseException as exc:  # noqa: BLE001 - the flow decides what it was
+                    body = flow.throw(exc)
+                else:
+                    body = flow.send(value)
+        except StopIteration as stop:
+            return stop.value
+
+    def flow(self) -> Generator[Callable[[], Any], Any, Finished]:
+        """Everything about one job but the call of the task's body: that is yielded (a
+        function of no arguments), and what it returned is sent back, or what it raised
+        thrown in. Its driver (``run``; ``pool.aio`` for an async task) calls it as its
+        kind of task needs; the flow returns the outcome."""
         job = self.job
         try:
             request, (args, kwargs, embed) = read_message(
@@ -116,7 +148,7 @@ class TaskExecution:
                 return Finished(Outcome.NOT_RUN, repr(exc))
             if skip is not None:
                 return skip
-            finished = self._run(task, args, kwargs)
+            finished = yield from self._run(task, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - the result store failed
             log.error("Task %s: result store error, the message goes back to the broker: %r",
                       self.label, exc)
@@ -192,14 +224,20 @@ class TaskExecution:
                       "after %.0f s", self.label, key, exc, self.job.claim_ttl)
 
     # ------------------------------------------------------------------ outcomes
-    def _run(self, task: Task, args: list[Any], kwargs: dict[str, Any]) -> Finished:
+    def _run(self, task: Task, args: list[Any], kwargs: dict[str, Any]
+             ) -> Generator[Callable[[], Any], Any, Finished]:
         backend = self.app.backend
         if self.job.track_started and self.store:
             backend.mark_as_started(self.task_id, request=self.info)
         started = time.monotonic()
         try:
-            with self.around_task():
-                retval = task.run(task, *args, **kwargs) if task.bind else task.run(*args, **kwargs)
+            retval = yield (partial(task.run, task, *args, **kwargs) if task.bind
+                            else partial(task.run, *args, **kwargs))
+        except Interrupted as stop:
+            # An async task cancelled at its hard limit, or revoked with terminate: the
+            # supervisor stores what it stores for a sync task it killed.
+            log.error("Task %s: %s", self.label, stop.detail)
+            return Finished(stop.outcome, stop.detail, runtime=time.monotonic() - started)
         except Retry as signal:
             return self._retried(signal)
         except Ignore:

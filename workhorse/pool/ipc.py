@@ -49,10 +49,24 @@ class Job(NamedTuple):
     properties: dict[str, Any] = {}     # (dispatch always gives its own)
     #: Task events are on: Done carries the result's repr or the traceback for them.
     events: bool = False
+    #: An async def task: the child runs it on its event loop beside others, and enforces
+    #: its time limits itself (the supervisor kills the child only if that fails).
+    asynchronous: bool = False
+    soft_limit: float | None = None
+    hard_limit: float | None = None
+
+
+class Cancel(NamedTuple):
+    """Supervisor → child running async tasks: cancel job ``seq`` (revoked with terminate);
+    it ends as ``outcome`` (an Outcome value), for ``detail``."""
+
+    seq: int
+    outcome: str
+    detail: str
 
 
 class Stop(NamedTuple):
-    """Supervisor → child: exit after the current task (the child is idle when it reads it)."""
+    """Supervisor → child: exit (the child is idle when it reads it)."""
 
 
 class Hello(NamedTuple):
@@ -125,6 +139,32 @@ class FrameStream:
             if not chunk:
                 return None
             buffer += chunk
+
+    def pending(self) -> list[Any]:
+        """The whole frames in the buffer now, without reading."""
+        frames = []
+        buffer = self._buffer
+        while len(buffer) >= _LEN.size:
+            end = _LEN.size + _LEN.unpack_from(buffer)[0]
+            if len(buffer) < end:
+                break
+            frames.append(pickle.loads(buffer[_LEN.size:end]))
+            del buffer[:end]
+        return frames
+
+    def read_available(self) -> list[Any] | None:
+        """What a non-blocking fd has now, as whole frames; None at end of file."""
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                return None
+            self._buffer += chunk
+            if len(chunk) < 65536:
+                break
+        return self.pending()
 
 
 class FrameReader:

@@ -19,6 +19,7 @@ import random
 import signal
 import sys
 import traceback
+from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -26,12 +27,14 @@ import setproctitle
 from billiard.util import set_pdeathsig
 
 from ..logs import reopen_logfile
-from .execute import TaskExecution
+from .execute import Finished, TaskExecution
+from .heart import Heart
 from .ipc import MAX_DETAIL, Done, FrameStream, Hello, Job, Stop, write_frame
 from .limits import SOFT_LIMIT_SIGNAL, SoftLimit, signals_blocked
 
 if TYPE_CHECKING:
     from ..app import App
+    from .aio import AsyncSession
 
 log = logging.getLogger("workhorse.child")
 
@@ -48,7 +51,7 @@ class ChildRuntime:
     """Everything a child does, from setup after fork to exit."""
 
     def __init__(self, app: App, index: int, read_fd: int, write_fd: int,
-                 supervisor_pid: int, hostname: str) -> None:
+                 supervisor_pid: int, hostname: str, heart: Heart | None = None) -> None:
         self.app = app
         self.index = index
         self.read_fd = read_fd
@@ -62,6 +65,9 @@ class ChildRuntime:
         #: /proc/self/statm, kept open: the RSS is read after every task (one pread).
         self._statm: int | None = None
         self._frames: FrameStream | None = None
+        #: Shared with the supervisor: the event loop's beats, and whose code runs on it.
+        self.heart = heart or Heart()
+        self._session: AsyncSession | None = None
 
     # -- setup
     def setup(self, close_fds: list[int]) -> None:
@@ -129,12 +135,12 @@ class ChildRuntime:
                 yield
         except BaseException as exc:
             if os.getpid() != self.pid:
-                self._exit_forked_copy(exc)
+                self.exit_forked_copy(exc)
             raise
         if os.getpid() != self.pid:
-            self._exit_forked_copy(None)
+            self.exit_forked_copy(None)
 
-    def _exit_forked_copy(self, exc: BaseException | None) -> None:
+    def exit_forked_copy(self, exc: BaseException | None) -> None:
         """Exit the forked copy as a plain Python process would: 0 for a return, the
         SystemExit code, 1 for an exception; without cleanups that belong to the child."""
         code = 0 if exc is None else 1
@@ -154,13 +160,36 @@ class ChildRuntime:
     def run(self) -> int:
         self.send(Hello(self.pid))
         frames = self._frames or FrameStream(self.read_fd)
+        leftover: deque[object] = deque()
         while True:
-            frame = frames.read()
+            frame = leftover.popleft() if leftover else frames.read()
             if frame is None or isinstance(frame, Stop):
                 return 0
             if isinstance(frame, Job):
-                self.send(self.execute(frame))
+                if frame.asynchronous:
+                    leftover.extend(self.run_async(frame))
+                else:
+                    self.send(self.execute(frame))
                 self.set_title("idle")
+
+    def run_async(self, job: Job) -> deque[object]:
+        """Run async jobs on an event loop until none is left; the frames that came
+        meanwhile for after them are returned."""
+        if self._session is None:
+            from .aio import AsyncSession    # (asyncio is loaded only where it is used)
+            self._session = AsyncSession(self, self.heart)
+        return self._session.run(job)
+
+    def pending_frames(self) -> list[object]:
+        """Whole frames read already and not yet handled."""
+        assert self._frames is not None
+        return self._frames.pending()
+
+    def read_available(self) -> list[object] | None:
+        """The frames the pipe has now (its fd is non-blocking); None: the supervisor is
+        gone."""
+        assert self._frames is not None
+        return self._frames.read_available()
 
     def send(self, frame: object) -> None:
         # A soft-limit signal must never interrupt a half-written frame.
@@ -172,7 +201,10 @@ class ChildRuntime:
         execution = TaskExecution(self.app, job, self.hostname, self.running_task, self.send)
         self.current = f"{job.task}[{job.headers.get('id')}]"
         self.set_title(f"running {self.current}")
-        finished = execution.run()
+        return self.done(job, execution.run())
+
+    def done(self, job: Job, finished: Finished) -> Done:
+        """The frame that reports ``finished``."""
         detail = None if finished.detail is None else finished.detail[:MAX_DETAIL]
         return Done(self.pid, job.seq, finished.outcome.value, detail, self.rss(),
                     finished.runtime, finished.result and finished.result[:MAX_DETAIL],

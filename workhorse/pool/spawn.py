@@ -16,7 +16,8 @@ from collections.abc import Callable
 import billiard
 from billiard import process as billiard_process
 
-from .ipc import FrameReader, write_frame
+from .heart import Heart
+from .ipc import FrameReader, encode
 from .limits import kill_group, kill_tree
 from .linux import CHILD_OOM_SCORE_ADJ, raise_oom_score_adj
 from .runtime import SUPERVISOR_SIGNALS, ChildRuntime, child_main
@@ -29,12 +30,18 @@ RuntimeFactory = Callable[[int, int, int], ChildRuntime]
 class ForkedProcess:
     """A forked child: its pid and the supervisor's ends of its two pipes."""
 
-    def __init__(self, pid: int, write_fd: int, read_fd: int) -> None:
+    def __init__(self, pid: int, write_fd: int, read_fd: int, heart: Heart | None = None
+                 ) -> None:
         self.pid = pid
+        #: The child's heartbeat (async tasks), mapped in both processes.
+        self.heart = heart
         self.write_fd = write_fd
         self.read_fd = read_fd
         self._reader = FrameReader(read_fd)
         self._closed = False
+        self._outbox = bytearray()
+        #: Called when a frame could not be written whole (the caller watches the fd).
+        self.on_pending: Callable[[], None] | None = None
 
     def receive(self) -> list[object]:
         """The frames the child has finished writing (never blocks)."""
@@ -45,7 +52,39 @@ class ForkedProcess:
         return self._reader.eof
 
     def send(self, frame: object) -> None:
-        write_frame(self.write_fd, frame)
+        """Write a frame without ever waiting for the child to read: what its pipe cannot
+        take now waits here (``pending``) until ``flush`` (a child running async tasks on a
+        blocked loop reads nothing; the supervisor must not wait for it)."""
+        data = encode(frame)
+        if self._outbox:
+            self._outbox += data
+            return
+        try:
+            written = os.write(self.write_fd, data)
+        except BlockingIOError:
+            written = 0
+        if written < len(data):
+            self._outbox += data[written:]
+            if self.on_pending is not None:
+                self.on_pending()
+
+    @property
+    def pending(self) -> bool:
+        """Has it bytes the child's pipe could not take yet?"""
+        return bool(self._outbox)
+
+    def flush(self) -> bool:
+        """Write what the pipe takes of what is pending; True once nothing is."""
+        while self._outbox:
+            try:
+                written = os.write(self.write_fd, self._outbox)
+            except BlockingIOError:
+                return False
+            except OSError:         # the child is gone: its exit settles its jobs
+                self._outbox.clear()
+                return True
+            del self._outbox[:written]
+        return True
 
     def kill_tree(self, sig: int = signal.SIGKILL) -> None:
         kill_tree(self.pid, sig)
@@ -56,6 +95,8 @@ class ForkedProcess:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self.heart is not None:
+                self.heart.close()
             for fd in (self.write_fd, self.read_fd):
                 try:
                     os.close(fd)
@@ -71,6 +112,7 @@ def spawn(index: int, make_runtime: RuntimeFactory, private_fds: list[int]) -> F
     to_child_r, to_child_w = os.pipe2(os.O_CLOEXEC)
     from_child_r, from_child_w = os.pipe2(os.O_CLOEXEC)
     os.set_blocking(from_child_r, False)
+    os.set_blocking(to_child_w, False)
     runtime = make_runtime(index, to_child_r, from_child_w)
     # A number in private_fds may have been free again (the fd that listed them) and be
     # reused by these pipes: never let the child close its own ends.
@@ -94,7 +136,7 @@ def spawn(index: int, make_runtime: RuntimeFactory, private_fds: list[int]) -> F
         os.setpgid(process.pid, process.pid)   # also done by the child; whoever is first wins
     except OSError:
         pass
-    return ForkedProcess(process.pid, to_child_w, from_child_r)
+    return ForkedProcess(process.pid, to_child_w, from_child_r, getattr(runtime, "heart", None))
 
 
 def _leave_to_us(process: billiard.Process) -> None:
