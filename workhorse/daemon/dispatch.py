@@ -254,15 +254,17 @@ class Dispatch:
             delivery_info["redelivered"] = True
         priority = (message.properties or {}).get("priority")
         delivery_info.setdefault("priority", priority)      # as Celery's request has it
-        hard, soft = self._limits(delivery) if delivery.asynchronous else (None, None)
-        return Job(delivery.seq, request.task, message.body, message.content_type,
-                   message.content_encoding, dict(message.headers or {}),
-                   delivery_info, self._track_started(delivery.task),
-                   delivery.queue, priority,
-                   delivery.policy.acks_late, claim_owner=self.claim_owner(delivery.seq),
-                   claim_ttl=self.current.settings.visibility_timeout,
-                   properties=dict(message.properties or {}), events=self.events.on,
-                   asynchronous=delivery.asynchronous, soft_limit=soft, hard_limit=hard)
+        job = Job(delivery.seq, request.task, message.body, message.content_type,
+                  message.content_encoding, dict(message.headers or {}),
+                  delivery_info, self._track_started(delivery.task),
+                  delivery.queue, priority,
+                  delivery.policy.acks_late, claim_owner=self.claim_owner(delivery.seq),
+                  claim_ttl=self.current.settings.visibility_timeout,
+                  properties=dict(message.properties or {}), events=self.events.on)
+        if delivery.asynchronous:       # its child keeps its limits
+            hard, soft = self._limits(delivery)
+            job = job._replace(asynchronous=True, soft_limit=soft, hard_limit=hard)
+        return job
 
     def _ack_at_start(self, delivery: Delivery) -> None:
         """At-most-once: acked before a child gets it, so an ack that fails never lets it

@@ -68,10 +68,10 @@ class Holding:
         the least of them: a queue that carries both kinds fills no more than both have
         room for, and a hand-back can only come in the first batch after a run of one
         kind. (No kind seen yet: both.)"""
+        if not self.async_window:
+            return self.window - self.held
         inbox = len(self.inbox)
         free_sync = self.window - (self.held - self.held_async)
-        if not self.async_window:
-            return free_sync
         free_async = self.async_window - self.held_async - inbox
         recent, seen_async = len(self.recent), sum(self.recent)
         if recent and seen_async == recent:

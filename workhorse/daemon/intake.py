@@ -102,7 +102,8 @@ class Intake:
             return
         delivery.deliveries = deliveries
         delivery.key = key
-        delivery.asynchronous = getattr(task, "is_async", False)
+        if self.holding.async_window:
+            delivery.asynchronous = getattr(task, "is_async", False)
         delivery.suspect = is_suspect(message.headers)
         delivery.held_losses = held
         policy = delivery.policy

@@ -391,10 +391,10 @@ class Slots:
         if self.to_retire and not slot.retiring:
             self.to_retire -= 1
             self._retire(slot)
-            if child.busy:
+            if child.jobs:
                 child.draining = True
             return
-        if slot.retiring and not child.busy:
+        if slot.retiring and not child.jobs:
             child.stop()
             return
         r = self.recycling
@@ -406,7 +406,7 @@ class Slots:
         elif r.max_memory and child.rss > r.max_memory:
             reason = (f"uses {child.rss // 1024} KiB "
                       f"(max_memory_per_child={r.max_memory // 1024} KiB)")
-        if child.busy:
+        if child.jobs:
             if (reason or not self.accepting()) and not child.draining:
                 log.info("recycling %s once its %d async tasks are over: %s", child.name,
                          len(child.jobs), reason or "stopping")

@@ -179,13 +179,16 @@ class Child:
     def assign(self, job: Any, frame: Job, now: float) -> Running:
         """Hand it a job: a sync one when it is idle, an async one when it is idle or runs
         async ones."""
-        if not (frame.asynchronous and self.state is ChildState.BUSY and self.asynchronous):
+        idle = self.state is ChildState.IDLE
+        if not idle and not (frame.asynchronous and self.asynchronous
+                             and self.state is ChildState.BUSY):
             self._expect(ChildState.IDLE)
         self.handle.send(frame)
-        if self.state is ChildState.IDLE:
-            self.beats = (self.beats[0], now)    # a loop that starts now: not blocked yet
-        self.state = ChildState.BUSY
-        self.asynchronous = frame.asynchronous
+        if idle:
+            self.state = ChildState.BUSY
+            self.asynchronous = frame.asynchronous
+            if frame.asynchronous:
+                self.beats = (self.beats[0], now)    # a loop that starts now: not blocked
         running = self.jobs[frame.seq] = Running(job, frame.seq, now)
         self.tasks_started += 1
         return running
