@@ -17,7 +17,7 @@ from .conftest import BROKERS, BrokerEnv, broker_fixture, wait_until, worker_env
 
 pytestmark = pytest.mark.timeout(240)
 
-broker = broker_fixture(*BROKERS)
+broker = broker_fixture(*BROKERS, "quorum")
 
 APP = "tests.apps.aio"
 
