@@ -21,7 +21,10 @@ tasks themselves), the part of it on the main process's main thread (workhorse: 
 thread; the rest is its broker thread), and of the processes below it together, and their
 memory (RSS: the largest main process, the mean child) at the end; and the broker server's
 CPU per task over the same span (redis-server, RabbitMQ's beam.smp), which shares the
-machine's two cores with the workers. The machine is shared
+machine's two cores with the workers. Then the unique memory (USS) of all the worker's
+processes after the drain, summed, and the machine's limit: its cores divided by the
+server's and the pool's CPU a task (the rate if the supervisor cost nothing), with the
+share of it the worker reached. The machine is shared
 and noisy: runs are interleaved, medians of --repeat are printed, and the ratios of medians.
 
 Dramatiq runs as ``dramatiq --processes <concurrency> --threads 1`` with its default
@@ -91,6 +94,8 @@ class Run:
     #: The broker server's CPU over the same span (redis-server, RabbitMQ's beam.smp; 0
     #: for SQLite, whose work is done inside the workers).
     broker_cpu: float = 0.0
+    #: The unique memory (USS) of every process of the workers after the drain, summed.
+    uss: int = 0
 
     @property
     def rate(self) -> float:
@@ -234,6 +239,7 @@ def measure(kind: str, broker: str, url: str, task_set: str, count: int, concurr
         broker_used = server_cpu(broker) - broker_start
         main_rss = max(main.memory_info().rss for main in mains)
         child_rss = [rss for main in mains for rss in pool_rss(main)]
+        uss = sum(unique_memory(main) for main in mains)
     finally:
         stop_scraping.set()
         for proc in procs:
@@ -242,7 +248,8 @@ def measure(kind: str, broker: str, url: str, task_set: str, count: int, concurr
         drop(url, queue)
     assert first is not None
     return Run(last - first, count, cpu, children, main_rss,
-               int(statistics.mean(child_rss)) if child_rss else 0, thread_cpu, broker_used)
+               int(statistics.mean(child_rss)) if child_rss else 0, thread_cpu, broker_used,
+               uss)
 
 
 def kill(proc: subprocess.Popen) -> None:
@@ -289,6 +296,16 @@ def children_cpu(main: psutil.Process) -> float:
             total += _cpu(child)
         except psutil.NoSuchProcess:
             pass
+    return total
+
+
+def unique_memory(main: psutil.Process) -> int:
+    """The USS of ``main`` and every process below it, summed: what would be freed if the
+    worker went (RSS counts the pages a child shares with its parent once per process)."""
+    total = 0
+    for process in [main, *main.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            total += process.memory_full_info().uss
     return total
 
 
@@ -344,7 +361,8 @@ def main() -> int:
         print("(Dramatiq is not installed: pip install 'dramatiq[redis,rabbitmq]')")
     print(f"{'broker':7} {'set':6} {'worker':18} {'tasks/s':>8} {'ratio':>6} "
           f"{'main CPU/task':>14} {'(main thread)':>14} {'pool CPU/task':>14} {'main RSS':>9} "
-          f"{'child RSS':>10} {'server CPU/task':>16}")
+          f"{'child RSS':>10} {'server CPU/task':>16} {'USS':>9} {'limit/s':>8} "
+          f"{'of limit':>8}")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for broker in brokers:
@@ -395,9 +413,15 @@ def report(broker: str, task_set: str, results: dict[str, list[Run]]) -> None:
         main_rss = statistics.median(r.main_rss for r in runs) / 2**20
         child_rss = statistics.median(r.child_rss for r in runs) / 2**20
         server = statistics.median(r.broker_cpu / r.tasks * 1e6 for r in runs)
+        uss = statistics.median(r.uss for r in runs) / 2**20
+        # The machine's limit for this worker: its cores, if the supervisor cost nothing
+        # and the broker server and the pool's CPU a task were all there was to pay.
+        limit = (os.cpu_count() or 1) / ((server + pool_cpu) / 1e6) if server + pool_cpu else 0
+        share = f"{rate / limit:7.0%}" if limit else ""
         print(f"{broker:7} {task_set:6} {kind:18} {rate:8.0f} {ratio:>6} "
               f"{main_cpu:11.0f} µs {thread_cpu:11.0f} µs {pool_cpu:11.0f} µs "
-              f"{main_rss:6.1f} MB {child_rss:7.1f} MB {server:13.0f} µs")
+              f"{main_rss:6.1f} MB {child_rss:7.1f} MB {server:13.0f} µs {uss:6.1f} MB "
+              f"{limit:8.0f} {share:>8}")
 
 
 if __name__ == "__main__":
