@@ -23,6 +23,7 @@ from tests.conftest import (
     Worker,
     make_broker,
     require_service,
+    runs,
     wait_until,
     worker_env,
 )
@@ -127,6 +128,41 @@ def test_children_forked_while_the_broker_thread_is_busy_never_hang(tmp_path, cl
         assert worker.proc.poll() is None
     finally:
         worker.kill()
+
+
+def test_a_take_sent_from_the_loop_thread_that_gets_no_answer_is_given_up_and_costs_nothing(
+        tmp_path):
+    """Redis: the loop thread sends its acks and takes itself and reads the answer when it
+    comes. The broker goes silent while tasks stream through: the take in flight is given
+    up after SENT_TAKE_TIMEOUT (its acks made again by the broker thread), the loop answers
+    at once meanwhile, and once the broker answers again every task has run exactly once
+    (what the take given up leased comes back when its lease runs out)."""
+    require_service("redis", SilentBroker.PORTS["redis"])
+    silent = SilentBroker("redis", tmp_path)
+    broker = BrokerEnv("redis", silent.url, f"sent-{tmp_path.name[-8:]}")
+    worker = Worker(tmp_path, worker_env(broker, tmp_path, concurrency=2, visibility_timeout=4),
+                    ["-A", "tests.apps.basic"])
+    client = App("client", broker_url=silent.direct_url, queues=[broker.queue])
+    try:
+        worker.wait_ready()
+        ids = [client.send_task("tests.apps.basic.record").id for _ in range(400)]
+        wait_until(lambda: len(runs(tmp_path)) >= 60, 30, "60 tasks to run")
+        silent.freeze()
+        worker.wait_for_log(r"a take sent from the loop thread failed", 10)
+        usr1 = time.time()
+        worker.signal(signal.SIGUSR1)
+        answered = worker.wait_for_log(r"state: phase=", 5)
+        assert stamped(answered, r"state: phase=")[-1] - usr1 < 1.0
+        silent.proxy.thaw()
+        wait_until(lambda: len(runs(tmp_path)) >= 400, 60, "every task to run")
+        started = sorted(task_id for name, task_id, _ in runs(tmp_path) if name == "record")
+        assert started == sorted(ids)       # each once: none lost, none run twice
+        assert worker.proc.poll() is None
+    finally:
+        worker.kill()
+        client.close()
+        silent.close()
+        BrokerEnv("redis", silent.direct_url, broker.queue).cleanup()
 
 
 @pytest.fixture

@@ -14,11 +14,12 @@ which on Redis reconnects by itself once the server answers again.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from time import monotonic
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from kombu import Connection, Consumer, Producer, Queue
 from kombu.message import Message
@@ -608,11 +609,8 @@ class BrokerConsumer:
         a transaction on a local file, not a round trip. None if it cannot (another
         broker; acks of an older connection's channel; the file busy or in trouble):
         nothing was done, and the broker thread is to do it, waiting as it may."""
-        driver = self.driver
-        if driver is None or not (self.consuming and driver.capabilities.takes_inline):
-            return None
-        channel = self.consumers[0].channel
-        if any(message.channel is not channel for message in messages):
+        driver = self._taking_here(messages, "takes_inline")
+        if driver is None:
             return None
         errors: list[Exception | None] = [None] * len(messages)
         ready = _not_acked(messages, range(len(messages)), errors)
@@ -623,6 +621,56 @@ class BrokerConsumer:
         for message in ready:
             message._state = "ACK"
         return errors
+
+    def take_send(self, messages: list[Message], pipe: Any = None) -> SentAcks | None:
+        """``ack_many(messages, fetch=True)``'s request sent, never waiting, on ``pipe``
+        after the ones sent on it before, or on a new pipe (``SentAcks.pipe``); the answers
+        are read by ``take_read`` when the pipe's ``fd`` is readable (the loop thread calls
+        both while the broker thread is kept parked): on Redis. None if it cannot be sent
+        at once (another broker; acks of an older connection's channel; see
+        ``Channel.take_send``): nothing was sent, and the broker thread is to do it."""
+        driver = self._taking_here(messages, "takes_split")
+        if driver is None:
+            return None
+        errors: list[Exception | None] = [None] * len(messages)
+        ready = _not_acked(messages, range(len(messages)), errors)
+        sent = driver.take_send([message.delivery_tag for message in ready], pipe)
+        return None if sent is None else SentAcks(sent, sent.pipe, ready, errors)
+
+    def _taking_here(self, messages: list[Message], capability: str) -> Driver | None:
+        """The driver, if it has ``capability`` and the connection consumes, and every one
+        of ``messages`` came through its channel (not an older connection's)."""
+        driver = self.driver
+        if driver is None or not (self.consuming and getattr(driver.capabilities, capability)):
+            return None
+        channel = self.consumers[0].channel
+        if any(message.channel is not channel for message in messages):
+            return None
+        return driver
+
+    def take_read(self, pipe: Any, out: deque[SentAcks]) -> list[SentAcks]:
+        """The takes sent on ``pipe`` (``out``, in the order they were sent) answered now,
+        taken off ``out``, their acks made (each one's errors in its ``errors``). Raises if
+        the pipe failed: the takes left in ``out`` are over, their acks to be made again."""
+        assert self.driver is not None
+        answered = self.driver.take_read(pipe)
+        done = []
+        for sent in answered:
+            acks = out.popleft()
+            assert acks.sent is sent
+            for message in acks.ready:
+                message._state = "ACK"
+            done.append(acks)
+        return done
+
+    def found_empty(self) -> bool:
+        """Did the last take find the queues empty (it took less than it asked for)?"""
+        return bool(getattr(self.driver, "dry", False))
+
+    @property
+    def takes_split(self) -> bool:
+        """Can ``take_send`` be asked of this connection (Redis)?"""
+        return self.capabilities.takes_split
 
     @property
     def takes_at_once(self) -> bool:
@@ -813,6 +861,15 @@ class BrokerConsumer:
 
 #: A loss no journal on this host explains: it may have been a start, and counts as one.
 _UNKNOWN = Verdict(started=True, held_loss=False)
+
+
+class SentAcks(NamedTuple):
+    """A take sent with acks (``BrokerConsumer.take_send``), its answer still to read."""
+
+    sent: Any
+    pipe: Any
+    ready: list[Message]
+    errors: list[Exception | None]
 
 
 def _not_acked(messages: list[Message], numbers: Iterable[int],

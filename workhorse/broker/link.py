@@ -1,14 +1,17 @@
 """The loop thread's side of the broker: every call hands work to the broker thread and
 returns at once; what comes back (messages, results, a lost or restored connection) is
 run on the loop thread, from its selector, through the ``Wakeup`` it watches. One
-exception, where it cannot wait: on SQLite the acks and takes are carried out here while
-the broker thread is parked, as long as the file is free at once (``_take_here``)."""
+exception, where it cannot wait: the acks and takes are carried out here while the broker
+thread is parked: on SQLite as long as the file is free at once (``_take_here``), on Redis
+sent from here and read when the answer comes (``_send_take``)."""
 from __future__ import annotations
 
-import threading
-
+import contextlib
 import logging
+import select
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from functools import partial
@@ -22,7 +25,7 @@ from ..daemon.loop import Timer
 from .. import sqlitedb
 from ..sqlitedb import said
 from ..urls import redact
-from .consumer import BrokerConsumer
+from .consumer import BrokerConsumer, SentAcks
 from .journal import Journal
 
 if TYPE_CHECKING:
@@ -33,6 +36,13 @@ log = logging.getLogger("workhorse.supervisor")
 
 #: A late ack waits at most this long to be sent with others (see ``BrokerLink.ack``).
 ACK_DELAY = 0.005
+#: A take sent by the loop thread (Redis) is abandoned if its answer takes this long: the
+#: broker thread, parked for it meanwhile, makes its acks again.
+SENT_TAKE_TIMEOUT = 1.0
+#: At most this many takes sent here are out at once (see ``_send_take``).
+MAX_SENT = 2
+#: After a take sent here failed, the broker thread takes alone for this long.
+SENT_TAKE_PAUSE = 5.0
 #: The broker thread is taken to hang inside a call (and the watchdog is no longer pinged,
 #: so systemd restarts the worker) once it has not turned for this long. Its calls time
 #: out well before that; a broker that is down is retried, which counts as turning.
@@ -61,7 +71,17 @@ class BrokerLink:
         self.leased = False     # SQLite, Redis: leases to renew
         #: Queues whose broker holds a message for a while for us (hand_back_later).
         self.delayable: frozenset[str] = frozenset()
-        self.takes_here = False     # SQLite: acks and takes on this thread (_take_here)
+        self.takes_here = False     # SQLite, Redis: acks and takes on this thread (_take_here)
+        #: Redis: takes are sent here and their answers read when they come (_send_take).
+        self.splits = False
+        #: The takes sent here whose answers are awaited, in order, with their acks (the
+        #: broker thread is parked for them), on ``_pipe``; and the deadline of the next.
+        self._out: deque[SentAcks] = deque()
+        self._out_acks: deque[list[Ack]] = deque()
+        self._pipe: Any = None
+        self._out_timer: Timer | None = None
+        self._deferred = False
+        self._sends_paused_until = 0.0
         self.received = 0       # messages handed to the loop so far (for Room)
         self._credit = -1
         self.prefetch, self.acked_running = prefetch, acked_running
@@ -94,13 +114,17 @@ class BrokerLink:
         self.thread.consumer.use_journal(journal)
 
     def parked(self) -> AbstractContextManager[bool]:
-        """Around fork(): True while the broker thread is parked (see BrokerThread.parked)."""
+        """Around fork(): True while the broker thread is parked (see BrokerThread.parked);
+        a take sent here keeps it parked (it waits for the gate this thread holds)."""
+        if self._pipe is not None:
+            return contextlib.nullcontext(True)
         return self.thread.parked()
 
     def close(self, timeout: float) -> None:
         """After everything submitted so far: close the connection, end the thread. A
         broker that does not answer within ``timeout`` is left behind (what we did not
         settle comes back from the broker)."""
+        self._finish_sent(timeout)
         if not self.thread.is_alive():
             self._run_posted()          # its last log records (it gave up, say)
             return
@@ -172,9 +196,9 @@ class BrokerLink:
         self.thread.fetch()
 
     def _before_wait(self) -> None:
-        """SQLite: the acks and the take this turn asked for, once the turn is done (its
-        jobs handed to the children, which run them meanwhile), before the loop waits: on
-        this thread where that never waits, else handed to the broker thread."""
+        """SQLite, Redis: the acks and the take this turn asked for, once the turn is done
+        (its jobs handed to the children, which run them meanwhile), before the loop
+        waits: from this thread where that never waits, else handed to the broker thread."""
         fetch, acks = self._want_fetch, self._want_acks
         if not (fetch or acks):
             return
@@ -201,7 +225,7 @@ class BrokerLink:
     def submit(self, command: Command, what: str) -> None:
         """Run ``command`` on the broker thread, after the acks made before it."""
         if self._acks:
-            self.flush()
+            self.flush(here=self._pipe is None)
         self.thread.submit(command, what)
 
     def ack(self, message: Message) -> None:
@@ -251,6 +275,8 @@ class BrokerLink:
         done (False), and the caller hands it to the broker thread as before."""
         if not self.takes_here:
             return False
+        if self.splits:
+            return self._send_take()
         acks = self._acks
         with self.thread.borrowed() as consumer:
             if consumer is None:
@@ -281,6 +307,142 @@ class BrokerLink:
         if counted:     # the loop looks at them before it waits again
             self.loop.call_later(0, _nothing)
         return True
+
+    def _send_take(self) -> bool:
+        """Redis: the acks held back and a take of what there is room for, sent from here
+        (one script, as the broker thread sends it), the answer read when the socket is
+        readable (``_read_sent``): no thread woken, no interpreter lock handed over, and
+        the loop never waits. The broker thread is kept parked until every answer is in.
+        While one is out, the next waits for its answer (so that one round trip carries
+        what several would), unless an ack at start is among them (its task waits for
+        it): that one is sent at once, behind it, with a take of the room that is left.
+        True if sent, or left for the next (its acks stay held); False if the broker
+        thread is to do it (busy, or it cannot be sent at once)."""
+        pipe = self._pipe
+        if pipe is not None and (not self._urgent or len(self._out) >= MAX_SENT):
+            self._deferred = True       # asked again once an answer is in (_read_sent)
+            return True
+        if pipe is None:
+            if not self._acks and self.thread.room.available() <= 0:
+                return True             # nothing to ask
+            if time.monotonic() < self._sends_paused_until:
+                return False
+            consumer = self.thread.borrow()
+            if consumer is None:
+                return False
+        else:
+            consumer = self.thread.consumer
+        acks = self._acks
+        try:
+            sent = consumer.take_send([ack.message for ack in acks], pipe)
+        except Exception as exc:  # noqa: BLE001 - the pipe is closed: its takes are over
+            if pipe is not None:
+                self._sent_failed(exc)
+                return True
+            log.warning("sending a take from the loop thread failed (%r); the broker thread "
+                        "takes alone for %.0f s", exc, SENT_TAKE_PAUSE)
+            self._sends_paused_until = time.monotonic() + SENT_TAKE_PAUSE
+            sent = None
+        if sent is None:
+            if pipe is None:
+                self.thread.give_back()
+                return False
+            self._deferred = True       # (the socket is full: with the next answer)
+            return True
+        self._cancel_ack_timer()
+        self._acks, self._urgent = [], False
+        self._out.append(sent)
+        self._out_acks.append(acks)
+        if pipe is None:
+            self._pipe = sent.pipe
+            self._out_timer = self.loop.call_later(SENT_TAKE_TIMEOUT, self._sent_late)
+            self.loop.add_reader(sent.pipe.fd, self._read_sent)
+        return True
+
+    def _read_sent(self) -> None:
+        consumer = self.thread.consumer
+        try:
+            answered = consumer.take_read(self._pipe, self._out)
+        except Exception as exc:  # noqa: BLE001 - the pipe is closed: its takes are over
+            self._sent_failed(exc)
+            return
+        if not answered:
+            return                  # not whole yet
+        outcomes = []
+        for sent in answered:
+            acks = self._out_acks.popleft()
+            for ack, error in zip(acks, sent.errors, strict=True):
+                if error is not None and ack.then is None:
+                    say_failed(consumer, error, f"{message_label(ack.message)}: ack")
+            outcomes += [partial(ack.then, error)
+                         for ack, error in zip(acks, sent.errors, strict=True)
+                         if ack.then is not None]
+        counted = self.thread.counted_arrivals()
+        unburied = consumer.has_unburied()
+        dry = consumer.found_empty()
+        assert self._out_timer is not None
+        self._out_timer.cancel()
+        if self._out:               # the next answer has its own second from now
+            self._out_timer = self.loop.call_later(SENT_TAKE_TIMEOUT, self._sent_late)
+        else:
+            self._end_pipe()
+            self.thread.give_back()
+            if unburied:
+                self.thread.submit(lambda c: c.bury_unburied(), "burying unreadable entries")
+            elif dry:
+                self.thread.nudge()     # it arms the waits on the empty lists
+        if self._deferred:          # acks held, or a take asked for, meanwhile
+            self._deferred = False
+            self._want_fetch = True     # before the loop waits (_before_wait)
+        for then in outcomes:       # as the broker thread posts them: next turn
+            self.loop.call_later(0, then)
+        for arrived in counted:
+            self._message(*arrived)
+        if counted:
+            self.loop.call_later(0, _nothing)
+
+    def _end_pipe(self) -> None:
+        if self._out_timer is not None:
+            self._out_timer.cancel()
+            self._out_timer = None
+        self.loop.remove_reader(self._pipe.fd)
+        self._pipe = None
+
+    def _sent_late(self) -> None:
+        self._sent_failed(TimeoutError(f"no answer from Redis in {SENT_TAKE_TIMEOUT:.0f} s"))
+
+    def _sent_failed(self, exc: BaseException) -> None:
+        """The takes sent here are over without an answer (given up, the pipe's connection
+        closed): their acks go to the broker thread, to be made again (a lease acked
+        already is found gone); what they may have leased comes back when its lease runs
+        out."""
+        pipe = self._pipe
+        acks = [ack for batch in self._out_acks for ack in batch]
+        self._out.clear()
+        self._out_acks.clear()
+        self._end_pipe()
+        try:
+            pipe.close()
+        finally:
+            self.thread.give_back()
+        log.warning("a take sent from the loop thread failed (%r); the broker thread makes "
+                    "its %d acks again, and takes alone for %.0f s", exc, len(acks),
+                    SENT_TAKE_PAUSE)
+        self._sends_paused_until = time.monotonic() + SENT_TAKE_PAUSE
+        self._acks[:0] = acks
+        self._fetch()
+
+    def _finish_sent(self, timeout: float) -> None:
+        """At shutdown: the answers of the takes sent here, waited for (``timeout`` at
+        most)."""
+        deadline = time.monotonic() + min(timeout, SENT_TAKE_TIMEOUT)
+        while self._pipe is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._sent_late()
+                break
+            select.select([self._pipe.fd], [], [], left)
+            self._read_sent()
 
     def requeue(self, queue: str, message: Message) -> None:
         self.submit(lambda c: c.requeue(queue, message), f"{message_label(message)}: requeue")
@@ -380,13 +542,16 @@ class BrokerLink:
             return
         self.connected, self.push, self.leased = True, consumer.push, consumer.leased
         self.delayable = consumer.delayable()
-        self.takes_here = consumer.takes_at_once
+        self.splits = consumer.takes_split
+        self.takes_here = consumer.takes_at_once or self.splits
         self._credit = -1
         self._say_status(f"consuming {', '.join(self.queues)}")
         self.on_connected_cb()
 
     def _lost(self, exc: BaseException) -> None:
-        self.connected = self.takes_here = False
+        self.connected = self.takes_here = self.splits = False
+        if self._pipe is not None:
+            self._sent_failed(exc)
         # A file's trouble said already is in STATUS by itself (_say_status).
         self._say_status("broker connection lost; reconnecting" if said(exc) else
                          f"broker connection lost ({exc!r}); reconnecting")

@@ -302,14 +302,31 @@ class BrokerThread:
         """Loop thread: the consumer, to call ``take_now`` on, while this thread is parked
         with nothing submitted to it still to run (so nothing submitted before is
         overtaken); None otherwise. Never waits: the gate is taken only if it is free."""
+        consumer = self.borrow()
+        try:
+            yield consumer
+        finally:
+            if consumer is not None:
+                self.give_back()
+
+    def borrow(self) -> BrokerConsumer | None:
+        """``borrowed``, kept across turns of the loop thread until ``give_back``: this
+        thread stays parked meanwhile (waking, it waits for the gate)."""
         if (self._stopping or self._blocked or not self.thread.is_alive()
                 or not self.gate.acquire(blocking=False)):
-            yield None
-            return
-        try:
-            yield self.consumer if self.commands.queue.empty() else None
-        finally:
+            return None
+        if not self.commands.queue.empty():
             self.gate.release()
+            return None
+        return self.consumer
+
+    def give_back(self) -> None:
+        self.gate.release()
+
+    def nudge(self) -> None:
+        """Make this thread turn (a take on the loop thread found the queues empty: its
+        turn arms the waits on them)."""
+        self.commands.put(_turn)
 
     def _prepare(self) -> None:
         consumer = self.consumer
@@ -481,6 +498,10 @@ class BrokerThread:
             self.consumer.close()
         finally:
             self._stopping = True
+
+
+def _turn(consumer: BrokerConsumer) -> None:
+    return None
 
 
 def _nothing() -> None:

@@ -57,11 +57,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
+import ssl
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from time import monotonic, time
-from typing import Any
+from typing import Any, NamedTuple
 
+import hiredis
 from hiredis import pack_command
 from kombu.transport import redis, virtual
 from kombu.utils.json import dumps, loads
@@ -569,6 +574,7 @@ class Channel(redis.Channel):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._direct_lock = threading.Lock()
+        self._unburied: list[Callable[[], None]] = []
         self._list_keys: dict[tuple[str, ...], tuple[str, ...]] = {}
         super().__init__(*args, **kwargs)
 
@@ -662,18 +668,32 @@ class Channel(redis.Channel):
         the same step, and deliver them to their consumers: one round trip. Returns how
         many were taken (an unreadable entry dead-lettered counts): 0 when the queues are
         all empty, or ``limit`` is 0."""
+        call = self._take_call(limit, acks)
+        if call is None:
+            return 0
+        return self._take_reply(call, self.run(_ACK_TAKE, call.keys, call.args))
+
+    def _take_call(self, limit: int, acks: Sequence[str]) -> _TakeCall | None:
+        """The take script's keys and arguments (None: nothing to ask)."""
         queues = self._queue_cycle.consume(len(self.active_queues)) if limit > 0 else []
         if not queues and not acks:
-            return 0
-        keys = self.list_keys(queues)
+            return None
+        lists = self.list_keys(queues)
         pairs, lost = self.qos._ours(acks)
         score = time()
-        reply = self.run(_ACK_TAKE, (self.unacked_index_key, self.unacked_key,
-                                     self.delivery_counts_key, self.lease_owners_key, *keys),
-                         (repr(score), min(limit, self.MAX_TAKE) if keys else 0,
+        return _TakeCall(acks, lost, lists, score,
+                         (self.unacked_index_key, self.unacked_key, self.delivery_counts_key,
+                          self.lease_owners_key, *lists),
+                         (repr(score), min(limit, self.MAX_TAKE) if lists else 0,
                           self.lease_owner, len(pairs) // 2, *pairs))
+
+    def _take_reply(self, call: _TakeCall, reply: Any, bury_later: bool = False) -> int:
+        """Settle the acks and deliver the messages of a take script's ``reply``; the
+        unreadable entries it met are dead-lettered (a round trip each), or with
+        ``bury_later`` kept for ``bury_unburied``."""
+        keys, score = call.lists, call.score
         nlost = int(reply[0])
-        self.qos._acked(acks, [*lost, *_texts(reply[1:1 + nlost])])
+        self.qos._acked(call.acks, [*call.lost, *_texts(reply[1:1 + nlost])])
         reply = reply[1 + nlost:]
         if not reply:
             return 0
@@ -701,11 +721,76 @@ class Channel(redis.Channel):
             info["delivery_count"] = int(count)
             self.qos._taken[properties["delivery_tag"]] = score
             self.connection._deliver(message, queue)
-        for queue, tag, payload, why in unreadable_taken:
-            self._bury_taken(queue, tag, score, payload, why)
+        burials: list[Callable[[], None]] = [
+            partial(self._bury_taken, queue, tag, score, payload, why)
+            for queue, tag, payload, why in unreadable_taken]
         if unreadable_next is not None:
-            self._bury_next(*unreadable_next)
+            burials.append(partial(self._bury_next, *unreadable_next))
+        if bury_later:
+            self._unburied += burials
+        else:
+            for bury in burials:
+                bury()
         return len(taken) + (unreadable_next is not None)
+
+    def bury_unburied(self) -> None:
+        """Dead-letter what a take sent by ``take_send`` met unreadable (it leaves them,
+        leased or in their list, to a thread that may wait)."""
+        burials, self._unburied = self._unburied, []
+        for bury in burials:
+            bury()
+
+    # -- takes sent by the loop thread, their answers read when the socket is readable
+    def take_send(self, limit: int, acks: Sequence[str],
+                  pipe: TakePipe | None = None) -> SentTake | None:
+        """``take``'s request, sent on the channel's own connection without waiting for
+        the answer: on ``pipe`` (after the takes sent on it before), or on a new one, which
+        has the connection to itself until every answer on it is read (``TakePipe``).
+        None, with nothing sent and nothing changed, where that cannot be done without
+        waiting: no connection of ours is up (connecting waits), it is TLS, a lease of
+        ours is not recorded yet, an ack is of a message this QoS did not deliver (both
+        call Redis first), the socket would not take the request at once, or there is
+        nothing to ask."""
+        qos = self.qos
+        if qos._unrecorded or any(tag not in qos._scores for tag in acks):
+            return None
+        if pipe is None:
+            connection = self._direct
+            sock = getattr(connection, "_sock", None)
+            if (sock is None or self._direct_pool is not self.pool
+                    or isinstance(sock, ssl.SSLSocket) or sock.gettimeout() is None):
+                return None         # (a timeout makes the socket non-blocking underneath)
+            if not self._direct_lock.acquire(blocking=False):
+                return None
+            pipe = TakePipe(self, connection, sock.fileno())
+        elif pipe.closed:
+            return None
+        try:
+            call = self._take_call(limit, acks)
+        except BaseException:
+            pipe.release_if_idle()
+            raise
+        if call is None:
+            pipe.release_if_idle()
+            return None
+        data = pack_command(("EVALSHA", _ACK_TAKE.sha, len(call.keys), *call.keys,
+                             *call.args))
+        try:
+            written = os.write(pipe.fd, data)
+        except BlockingIOError:
+            written = 0
+        except BaseException:
+            pipe.close()
+            raise
+        if written < len(data):
+            if written:
+                pipe.close()    # a part is sent: the connection is out of step
+                raise RedisConnectionError("a take was sent in part")
+            pipe.release_if_idle()
+            return None
+        sent = SentTake(pipe, call, limit)
+        pipe.out.append(sent)
+        return sent
 
     def _queue_of(self, key: str) -> str:
         return key.rsplit(self.sep, 1)[0]
@@ -731,6 +816,81 @@ class Channel(redis.Channel):
         if buried:     # (else the lease was lost already: whoever holds it now decides)
             log.error("an unreadable message on %s (%s) was dead-lettered to %s in an "
                       "envelope: %.200r", queue, why, dead, payload)
+
+
+class _TakeCall(NamedTuple):
+    acks: Sequence[str]
+    #: Acks whose lease we knew was lost before asking.
+    lost: list[str]
+    #: The lists taken from, in order (a reply names them by position).
+    lists: tuple[str, ...]
+    score: float
+    keys: tuple[Any, ...]
+    args: tuple[Any, ...]
+
+
+class SentTake:
+    """A take sent by ``Channel.take_send``: ``took`` is None until its answer is read."""
+
+    def __init__(self, pipe: TakePipe, call: _TakeCall, limit: int) -> None:
+        self.pipe, self.call, self.limit = pipe, call, limit
+        self.took: int | None = None
+
+
+class TakePipe:
+    """Takes sent one after another on the channel's own connection, never waiting: their
+    answers come in the order they were sent, and ``read`` reads what the socket holds
+    when it is readable. The connection is the pipe's alone (the channel's lock is held)
+    until every answer is read, or it is closed."""
+
+    def __init__(self, channel: Channel, connection: Any, fd: int) -> None:
+        self.channel, self.connection, self.fd = channel, connection, fd
+        self.reader = hiredis.Reader()
+        self.out: deque[SentTake] = deque()
+        self.closed = False
+
+    def read(self) -> list[SentTake]:
+        """The takes answered by what the socket holds now, in order, each with ``took``
+        (its messages delivered, as ``take`` delivers them). Raises ConnectionError if the
+        connection closed, or an answer is an error (NOSCRIPT after a restart: nothing
+        ran); the pipe is closed then, and the acks of the takes not answered are to be
+        made again (a second run acks only leases still ours)."""
+        try:
+            chunk = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return []
+        except OSError as exc:
+            self.close()
+            raise RedisConnectionError(f"reading a take's answer: {exc!r}") from exc
+        if not chunk:
+            self.close()
+            raise RedisConnectionError("Redis closed the connection before a take's answer")
+        self.reader.feed(chunk)
+        answered = []
+        while self.out and (reply := self.reader.gets()) is not False:
+            if isinstance(reply, hiredis.ReplyError):
+                self.close()
+                raise RedisConnectionError(f"a take's answer: {reply}")
+            sent = self.out.popleft()
+            sent.took = self.channel._take_reply(sent.call, reply, bury_later=True)
+            answered.append(sent)
+        self.release_if_idle()
+        return answered
+
+    def release_if_idle(self) -> None:
+        """Nothing more to read: the connection is the channel's again."""
+        if not self.out and not self.closed:
+            self.closed = True
+            self.channel._direct_lock.release()
+
+    def close(self) -> None:
+        """Given up (no answer in time, or it failed): the connection is closed (an answer
+        may still come to it); what its takes may have leased returns to its list by the
+        sweep, once the lease runs out, counted."""
+        if not self.closed:
+            self.closed = True
+            self.connection.disconnect()
+            self.channel._direct_lock.release()
 
 
 def _texts(values: Iterable[Any]) -> list[str]:

@@ -34,6 +34,9 @@ class Capabilities:
     #: file, not a round trip). The one exception to "the broker thread owns every kombu
     #: object": see ``BrokerLink``'s inline take.
     takes_inline: bool = False
+    #: The loop thread may send a take and read its answer when it comes, never waiting
+    #: (Redis: a script on a connection of the channel's own). See ``BrokerLink``.
+    takes_split: bool = False
     #: No socket to watch: polled on a timer.
     polled: bool = False
 
@@ -90,6 +93,19 @@ class Driver:
 
     def take_now(self, tags: Sequence[str]) -> None:
         """``takes_inline``: ``ack_and_take`` on the loop thread, never waiting."""
+        raise NotImplementedError
+
+    def take_send(self, tags: Sequence[str], pipe: Any = None) -> Any:
+        """``takes_split``: ``ack_and_take``'s request, sent without waiting for its answer:
+        on ``pipe``, after the takes sent on it before, or on a new pipe (the sent take's
+        ``pipe``), whose answers ``take_read`` reads once its ``fd`` is readable. None if
+        it cannot be sent without waiting: nothing was sent."""
+        raise NotImplementedError
+
+    def take_read(self, pipe: Any) -> list[Any]:
+        """``takes_split``: the takes on ``pipe`` answered now, in order, each with the
+        number of messages it took (delivered). Raises if the pipe failed: the takes not
+        answered are over, their acks to be made again."""
         raise NotImplementedError
 
     def has_unburied(self) -> bool:

@@ -5,13 +5,13 @@ between its list and our bookkeeping."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from time import monotonic
 from typing import Any
 
 from kombu import Connection
 
-from ...transport.redis import ListWaiter
+from ...transport.redis import ListWaiter, SentTake, TakePipe
 from ..journal import Journal
 from .base import POLL_INTERVAL, Capabilities, TakingDriver
 
@@ -22,7 +22,7 @@ RESTORE_SWEEP_INTERVAL = 2.0
 
 
 class RedisDriver(TakingDriver):
-    capabilities = Capabilities(leased=True, takes_with_acks=True)
+    capabilities = Capabilities(leased=True, takes_with_acks=True, takes_split=True)
     #: Seconds a waiter blocks server-side before it is re-armed (a health check: a
     #: waiter silent well past this is a dead connection).
     WAIT_TIMEOUT = 10
@@ -51,6 +51,27 @@ class RedisDriver(TakingDriver):
             if waiter is None:
                 waiter = self.waiters[key] = ListWaiter(self.channel, key)
             waiter.arm(self.WAIT_TIMEOUT)
+
+    def take_send(self, tags: Sequence[str], pipe: TakePipe | None = None) -> SentTake | None:
+        # The room less what the takes still unanswered on the pipe may bring: never more
+        # than the window, however many are out.
+        pending = sum(sent.limit for sent in pipe.out) if pipe is not None else 0
+        limit = min(max(0, self.room() - pending), self.channel.MAX_TAKE)
+        sent: SentTake | None = self.channel.take_send(limit, tags, pipe)
+        return sent
+
+    def take_read(self, pipe: TakePipe) -> list[SentTake]:
+        answered = pipe.read()
+        for sent in answered:
+            if sent.limit > 0:
+                self.dry = (sent.took or 0) < sent.limit
+        return answered
+
+    def has_unburied(self) -> bool:
+        return bool(self.channel._unburied)
+
+    def bury_unburied(self) -> None:
+        self.channel.bury_unburied()
 
     def fds(self) -> set[int]:
         return {fd for fd in (w.fileno() for w in self.waiters.values()) if fd is not None}

@@ -1,0 +1,180 @@
+"""On Redis the loop thread sends its acks and takes itself, as one script on the channel's
+own connection, and reads the answer when the socket is readable: it never waits, and the
+broker thread stays parked until every answer is in (BrokerLink._send_take). One take is
+out at a time, except that an ack at start goes out at once behind it (its task waits for
+it), with a take of what room is left; a take that gets no answer is given up
+(tests/test_broker_faults.py injects that fault into a real worker)."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from kombu import Connection, Producer
+
+from workhorse import App
+from workhorse.broker import thread as broker_thread
+from workhorse.broker.drivers import base as driver_base
+from workhorse.broker.drivers import redis as redis_driver
+from workhorse.broker.link import BrokerLink
+from workhorse.broker.queues import ensure_queue
+from workhorse.daemon.loop import Loop
+from workhorse.protocol import build_message, dead_letter_queue
+
+from .conftest import BrokerEnv, make_broker, wait_until
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.broker("redis")]
+
+
+class RedisLink:
+    """A real BrokerLink with its broker thread, on Redis; the test is the loop."""
+
+    def __init__(self, broker: BrokerEnv) -> None:
+        self.broker = broker
+        self.app = App("t", broker_url=broker.url, result_backend="disabled")
+        self.loop = Loop()
+        self.received: list[Any] = []
+        self.handed = 0                 # messages handed to the loop, those cleared too
+        self.connected = threading.Event()
+        self.link = BrokerLink(self.app, [broker.queue], self.loop, self._received,
+                               self.connected.set, lambda e: None, lambda e: None,
+                               lambda: 8, None, True)
+        self.redis = redis.Redis.from_url(broker.url)
+
+    def _received(self, queue: str, message: Any, deliveries: int) -> None:
+        self.received.append(message)
+        self.handed += 1
+
+    def publish(self, count: int) -> None:
+        with Connection(self.broker.url) as conn:
+            ensure_queue(conn, self.broker.queue)
+            producer = Producer(conn)
+            for n in range(count):
+                msg = build_message("t.add", f"id-{n}", [n], {})
+                producer.publish(msg.body, exchange="", routing_key=self.broker.queue,
+                                 serializer="json", headers=msg.headers)
+
+    def room(self, free: int) -> None:
+        """``free`` places in the window now, as the supervisor says it."""
+        self.link.received = self.handed
+        self.link.set_room(free)
+
+    def turn_until(self, condition: Any, what: str) -> None:
+        def turned() -> object:
+            self.loop.run_once(0.02)
+            return condition()
+        wait_until(turned, 10, what, interval=0)
+
+    def leased(self, message: Any) -> bool:
+        return bool(self.redis.hexists("unacked", message.delivery_tag))
+
+
+@pytest.fixture
+def redis_link(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[RedisLink]:
+    # The loop thread sends only while the broker thread is parked: its idle turns, safety
+    # polls and sweeps would now and then be under way when a test sends.
+    monkeypatch.setattr(broker_thread, "IDLE_TURN", 3600.0)
+    monkeypatch.setattr(driver_base.Driver, "poll_interval", 3600.0)
+    monkeypatch.setattr(redis_driver, "RESTORE_SWEEP_INTERVAL", 3600.0)
+    broker = make_broker("redis", tmp_path)
+    it = RedisLink(broker)
+    it.publish(1)                      # the queue exists before it connects
+    it.link.start()
+    it.turn_until(it.connected.is_set, "the broker thread to connect")
+    # The first take is the broker thread's: it opens the connection the loop sends on
+    # (connecting may wait); the ack of what it took is sent from here.
+    it.room(1)
+    it.turn_until(lambda: it.received, "the first message")
+    it.link.ack(it.received.pop())
+    it.room(0)
+    it.link.flush()
+    it.turn_until(lambda: it.link._pipe is None and not it.link._acks, "its ack")
+    fetches = it.link._fetches
+    assert fetches == it.link.thread.fetches_done == 1
+    try:
+        yield it
+    finally:
+        it.link.close(5)
+        it.redis.close()
+        broker.cleanup()
+
+
+def test_on_redis_the_loop_sends_its_take_and_reads_the_answer_when_it_comes(redis_link):
+    it = redis_link
+    it.publish(10)
+    it.room(8)
+    it.loop.wait(0)
+    assert it.link._pipe is not None and len(it.link._out) == 1   # sent, not waited for
+    assert it.received == []
+    it.turn_until(lambda: it.link._pipe is None, "the answer")
+    assert len(it.received) == 8            # the window, not what the queue holds
+    assert it.link.thread.fetches_done == 1 and it.link._fetches == 1   # no thread woken
+    assert all(it.leased(m) for m in it.received)
+    for message in it.received[:5]:
+        it.link.ack(message)
+    it.room(5)                              # five places free: the acks go with the take
+    it.turn_until(lambda: len(it.received) == 10 and it.link._pipe is None, "the next take")
+    assert not any(it.leased(m) for m in it.received[:5])
+    assert all(m.acknowledged for m in it.received[:5])
+    assert it.redis.llen(it.broker.queue) == 0
+
+
+def test_a_late_ack_held_back_while_a_take_is_out_goes_once_its_answer_is_in(redis_link):
+    """Nothing else happens afterwards (the last task of a burst): the ack must not wait
+    for a next take that never comes."""
+    it = redis_link
+    it.publish(10)
+    it.room(2)              # (less than the queue holds: the broker thread is not woken)
+    it.turn_until(lambda: len(it.received) == 2 and it.link._pipe is None, "the messages")
+    first, last = it.received
+    it.link.ack(first)
+    it.link.flush()                         # sent from here: a take is out
+    assert it.link._pipe is not None
+    it.link.ack(last)
+    it.link.flush()                         # held back: one take out at a time
+    assert len(it.link._out) == 1 and it.link._acks
+    it.turn_until(lambda: last.acknowledged and it.link._pipe is None, "the held ack")
+    assert not it.leased(first) and not it.leased(last)
+    assert it.link.thread.fetches_done == 1
+
+
+def test_an_ack_at_start_goes_at_once_behind_a_take_and_the_two_never_pass_the_window(
+        redis_link):
+    it = redis_link
+    it.publish(20)
+    it.room(2)
+    it.turn_until(lambda: len(it.received) == 2 and it.link._pipe is None, "two messages")
+    held, started = it.received
+    it.link.ack(held)
+    it.room(4)                              # 4 free: a take of 4 goes out with the ack
+    it.loop.wait(0)
+    assert len(it.link._out) == 1
+    answered: list[Any] = []
+    it.link.ack_then(started, answered.append)
+    it.link.set_room(4)                     # the supervisor's turn after an ack at start
+    it.loop.wait(0)
+    assert len(it.link._out) == 2           # not waiting for the take's answer
+    it.turn_until(lambda: answered and it.link._pipe is None, "the ack at start")
+    assert answered == [None] and started.acknowledged and not it.leased(started)
+    # The second take asked for the room the first had not claimed: none.
+    assert len(it.received) == 2 + 4
+    assert it.redis.llen(it.broker.queue) == 20 - 6
+
+
+def test_an_unreadable_entry_met_by_the_loop_is_buried_by_the_broker_thread(redis_link):
+    it = redis_link
+    it.redis.lpush(it.broker.queue, b"{not json")
+    it.publish(1)
+    dead = dead_letter_queue(it.broker.queue)
+    try:
+        it.room(8)
+        it.loop.wait(0)
+        assert it.link._pipe is not None
+        it.turn_until(lambda: it.redis.llen(dead) == 1, "the unreadable entry's burial")
+        # (the message behind it is taken by the broker thread, whose turn arms a wait
+        # on the list: the room said already is not said again)
+        it.turn_until(lambda: len(it.received) == 1, "the readable message")
+    finally:
+        it.redis.delete(dead)
