@@ -336,8 +336,10 @@ def main() -> int:
     parser.add_argument("--one-thread", action="store_true",
                         help="also run workhorse with its broker thread's loop on the loop "
                              "thread (an experiment: benchmarks/one_thread.py)")
-    parser.add_argument("--acks-early", action="store_true",
-                        help="acks_late = false for every worker (at-most-once)")
+    parser.add_argument("--acks", choices=("late", "early", "both"), default="late",
+                        help="acks_late = true (late, the default), false for every worker "
+                             "(early: at-most-once), or each in turn")
+    parser.add_argument("--acks-early", action="store_true", help="the same as --acks early")
     parser.add_argument("--results", action="store_true",
                         help="store results: in the SQLite file beside the SQLite broker, "
                              "else in Redis (Celery too; Dramatiq stores none)")
@@ -353,13 +355,16 @@ def main() -> int:
     dramatiq = importlib.util.find_spec("dramatiq") is not None
     brokers = args.broker or ["sqlite", "redis", "amqp"]
     sets = args.sets or ["noop", "sleep"]
+    modes = ["early"] if args.acks_early else (["late", "early"] if args.acks == "both"
+                                               else [args.acks])
     print(f"{args.tasks} no-op tasks ({max(200, args.tasks // 5)} of 10 ms), concurrency "
           f"{args.concurrency}, {args.workers} worker(s) of each, prefetch multiplier 4, "
-          f"acks_late = {str(not args.acks_early).lower()}, results "
-          f"{'stored' if args.results else 'disabled'}; median of {args.repeat}")
+          f"acks {' and '.join(modes)}, results "
+          f"{'stored' if args.results else 'disabled'}; medians of {args.repeat} rounds, "
+          "each worker once a round in turn (a ratio: the median of the rounds' ratios)")
     if not dramatiq:
         print("(Dramatiq is not installed: pip install 'dramatiq[redis,rabbitmq]')")
-    print(f"{'broker':7} {'set':6} {'worker':18} {'tasks/s':>8} {'ratio':>6} "
+    print(f"{'broker':7} {'set':6} {'acks':5} {'worker':18} {'tasks/s':>8} {'ratio':>6} "
           f"{'main CPU/task':>14} {'(main thread)':>14} {'pool CPU/task':>14} {'main RSS':>9} "
           f"{'child RSS':>10} {'server CPU/task':>16} {'USS':>9} {'limit/s':>8} "
           f"{'of limit':>8}")
@@ -381,32 +386,40 @@ def main() -> int:
                 else [])
             if args.only:
                 kinds = [k for k in kinds if re.split("[+@]", k)[0] in args.only]
-            for task_set in sets:
+            for task_set, mode in [(t, m) for t in sets for m in modes]:
                 count = args.tasks if task_set == "noop" else max(200, args.tasks // 5)
-                results: dict[str, list[Run]] = {kind: [] for kind in kinds}
+                # One list per kind, a place per round (None: that run failed).
+                results: dict[str, list[Run | None]] = {kind: [] for kind in kinds}
                 for _ in range(args.repeat):
                     for kind in kinds:   # interleaved: the same noise for each
                         try:
-                            results[kind].append(measure(
+                            run: Run | None = measure(
                                 kind, broker, url, task_set, count, args.concurrency,
-                                workdir, acks_late=not args.acks_early, results=args.results,
-                                workers=args.workers))
+                                workdir, acks_late=mode == "late", results=args.results,
+                                workers=args.workers)
                         except RuntimeError as exc:
                             print(f"  {kind} on {broker}: {exc}", file=sys.stderr)
-                report(broker, task_set, results)
+                            run = None
+                        results[kind].append(run)
+                report(broker, task_set, mode, results)
     return 0
 
 
-def report(broker: str, task_set: str, results: dict[str, list[Run]]) -> None:
-    """One line per worker kind: medians; the ratio is workhorse's rate over its."""
+def report(broker: str, task_set: str, mode: str,
+           rounds: dict[str, list[Run | None]]) -> None:
+    """One line per worker kind: medians; the ratio is workhorse's rate over its, the
+    median of the rounds' ratios (each round ran every kind once, one after another)."""
+    results = {k: [r for r in v if r is not None] for k, v in rounds.items()}
     rates = {k: statistics.median(r.rate for r in v) for k, v in results.items() if v}
-    ours = rates.get("workhorse")
+    ours = rounds.get("workhorse", [])
     for kind, runs in results.items():
         if not runs:
-            print(f"{broker:7} {task_set:6} {kind:18} {'failed':>8}")
+            print(f"{broker:7} {task_set:6} {mode:5} {kind:18} {'failed':>8}")
             continue
         rate = rates[kind]
-        ratio = f"{ours / rate:.2f}" if ours and kind != "workhorse" else ""
+        paired = [a.rate / b.rate for a, b in zip(ours, rounds[kind], strict=True)
+                  if a is not None and b is not None]
+        ratio = f"{statistics.median(paired):.2f}" if paired and kind != "workhorse" else ""
         main_cpu = statistics.median(r.main_cpu / r.tasks * 1e6 for r in runs)
         thread_cpu = statistics.median(r.main_thread_cpu / r.tasks * 1e6 for r in runs)
         pool_cpu = statistics.median(r.children_cpu / r.tasks * 1e6 for r in runs)
@@ -418,7 +431,7 @@ def report(broker: str, task_set: str, results: dict[str, list[Run]]) -> None:
         # and the broker server and the pool's CPU a task were all there was to pay.
         limit = (os.cpu_count() or 1) / ((server + pool_cpu) / 1e6) if server + pool_cpu else 0
         share = f"{rate / limit:7.0%}" if limit else ""
-        print(f"{broker:7} {task_set:6} {kind:18} {rate:8.0f} {ratio:>6} "
+        print(f"{broker:7} {task_set:6} {mode:5} {kind:18} {rate:8.0f} {ratio:>6} "
               f"{main_cpu:11.0f} µs {thread_cpu:11.0f} µs {pool_cpu:11.0f} µs "
               f"{main_rss:6.1f} MB {child_rss:7.1f} MB {server:13.0f} µs {uss:6.1f} MB "
               f"{limit:8.0f} {share:>8}")
