@@ -55,7 +55,6 @@ wall-clock times: the hosts' clocks must agree to well within visibility_timeout
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import ssl
@@ -75,24 +74,10 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from ..protocol import Verdict, after_loss, dead_letter_queue
 from . import fenced, unreadable
+from .luascript import Script
 from .backlog import Backlog, sent_at, stamp_properties
 
 log = logging.getLogger("workhorse.transport.redis")
-
-
-class Script:
-    """A Lua script run by its SHA1 (``EVALSHA``: its text is not sent, nor hashed by
-    the server, on every call), sent whole once when the server does not know it yet."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self.sha = hashlib.sha1(text.encode()).hexdigest()
-
-    def __call__(self, client: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:       # a restarted or flushed server: load it again
-            return client.eval(self.text, len(keys), *keys, *args)
 
 
 #: A periodic task's fenced put (``transport.fenced``).
