@@ -22,7 +22,7 @@ from ..states import READY_STATES
 from ..urls import SENTINEL, scheme_of, sentinels, split_master_name
 from ..transport import fenced
 from ..transport.fenced import Record, Ticket
-from ..transport.luascript import Script
+from ..transport.luascript import Direct, Script
 from .base import CLAIM_DONE, Backend, ChordCompletion, ChordPart, Claim
 from .encoding import dumps, loads
 
@@ -177,6 +177,8 @@ class RedisBackend(Backend):
         self.transport_options = dict(transport_options or {})
         self._client: redis.Redis | None = None
         self._pid = 0
+        #: Results are stored on a connection of their own (one round trip, no pool).
+        self._direct = Direct()
 
     @property
     def client(self) -> redis.Redis:
@@ -204,6 +206,7 @@ class RedisBackend(Backend):
                                    **timeouts)
 
     def close(self) -> None:
+        self._direct.close()
         if self._client is not None and self._pid == os.getpid():
             try:
                 self._client.close()
@@ -257,7 +260,8 @@ class RedisBackend(Backend):
     # -- task results
     def _set(self, task_id: str, state: str, payload: str) -> None:
         ex = self._ex()
-        _STORE(self.client, (self.key(task_id),), (payload, "" if ex is None else ex))
+        self._direct.run(self.client.connection_pool, _STORE, (self.key(task_id),),
+                         (payload, "" if ex is None else ex))
 
     def _get(self, task_id: str) -> str | None:
         value = self.client.get(self.key(task_id))

@@ -58,7 +58,6 @@ import contextlib
 import logging
 import os
 import ssl
-import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
@@ -70,11 +69,10 @@ from hiredis import pack_command
 from kombu.transport import redis, virtual
 from kombu.utils.json import dumps, loads
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
 
 from ..protocol import Verdict, after_loss, dead_letter_queue
 from . import fenced, unreadable
-from .luascript import Script
+from .luascript import Direct, Script
 from .backlog import Backlog, sent_at, stamp_properties
 
 log = logging.getLogger("workhorse.transport.redis")
@@ -554,11 +552,9 @@ class Channel(redis.Channel):
     MAX_TAKE = 64
 
     _sync_client: Any = None
-    _direct: Any = None
-    _direct_pool: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._direct_lock = threading.Lock()
+        self._direct = Direct()
         self._unburied: list[Callable[[], None]] = []
         self._list_keys: dict[tuple[str, ...], tuple[str, ...]] = {}
         super().__init__(*args, **kwargs)
@@ -587,53 +583,16 @@ class Channel(redis.Channel):
 
     def run(self, script: Script, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         """Run one of our scripts on a connection of the channel's own, outside kombu's
-        pool: a pooled call costs three more system calls (a pid check, a non-blocking
-        read to see the connection is clean, two mode switches) and most of the CPU of a
-        round trip. A connection the server closed meanwhile (a restart) is found out by
-        the call, dropped, and the call made once more on a new one, as redis-py's
-        client retries a call after a connection error. (A reply lost after the script
-        ran: the scripts act only on leases still ours and entries still there, so a
-        second run finds nothing more to do; a take's leases whose reply was lost are
-        swept back, counted.)"""
-        with self._direct_lock:
-            try:
-                return self._run_once(script, keys, args)
-            except RedisConnectionError:
-                return self._run_once(script, keys, args)
-
-    def _run_once(self, script: Script, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        pool = self.pool
-        connection = self._direct
-        if connection is None or self._direct_pool is not pool:
-            connection = self._direct = pool.connection_class(**pool.connection_kwargs)
-            self._direct_pool = pool
-        # Connected here, not by the first send: a Sentinel-managed connection finds the
-        # master in connect() only (redis-py's send would connect it to localhost:6379).
-        connection.connect()
-        try:
-            # Packed by hiredis's C function (redis-py's packer, in Python, took 3.6 µs
-            # of a round trip for a take with three acks; this, 1.1), which packs what
-            # ours pass (str, bytes, int) byte for byte as redis-py does.
-            connection.send_packed_command(
-                [pack_command(("EVALSHA", script.sha, len(keys), *keys, *args))])
-            try:
-                return connection.read_response()
-            except NoScriptError:     # a restarted or flushed server: load it again
-                connection.send_packed_command(
-                    [pack_command(("EVAL", script.text, len(keys), *keys, *args))])
-                return connection.read_response()
-        except ResponseError:
-            raise                     # an answer: the connection is in step
-        except BaseException:
-            connection.disconnect()
-            raise
+        pool (``luascript.Direct``). (A reply lost after the script ran: the scripts act
+        only on leases still ours and entries still there, so a second run finds nothing
+        more to do; a take's leases whose reply was lost are swept back, counted.)"""
+        return self._direct.run(self.pool, script, keys, args)
 
     def close(self) -> None:
         try:
             super().close()
         finally:
-            if self._direct is not None:
-                self._direct.disconnect()
+            self._direct.close()
 
     @contextlib.contextmanager
     def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
@@ -740,12 +699,12 @@ class Channel(redis.Channel):
         if qos._unrecorded or any(tag not in qos._scores for tag in acks):
             return None
         if pipe is None:
-            connection = self._direct
+            connection = self._direct.connection
             sock = getattr(connection, "_sock", None)
-            if (sock is None or self._direct_pool is not self.pool
+            if (sock is None or self._direct.pool is not self.pool
                     or isinstance(sock, ssl.SSLSocket) or sock.gettimeout() is None):
                 return None         # (a timeout makes the socket non-blocking underneath)
-            if not self._direct_lock.acquire(blocking=False):
+            if not self._direct.lock.acquire(blocking=False):
                 return None
             pipe = TakePipe(self, connection, sock.fileno())
         elif pipe.closed:
@@ -866,7 +825,7 @@ class TakePipe:
         """Nothing more to read: the connection is the channel's again."""
         if not self.out and not self.closed:
             self.closed = True
-            self.channel._direct_lock.release()
+            self.channel._direct.lock.release()
 
     def close(self) -> None:
         """Given up (no answer in time, or it failed): the connection is closed (an answer
@@ -875,7 +834,7 @@ class TakePipe:
         if not self.closed:
             self.closed = True
             self.connection.disconnect()
-            self.channel._direct_lock.release()
+            self.channel._direct.lock.release()
 
 
 def _texts(values: Iterable[Any]) -> list[str]:
