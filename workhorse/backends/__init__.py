@@ -18,7 +18,11 @@ def backend_from_url(url: str, *, expires: float | None = None, extended: bool =
                      transport_options: Mapping[str, Any] | None = None) -> Backend:
     """``sqlite:///…``, ``redis://…``, ``rediss://…`` (also ``valkey://``, ``valkeys://``),
     a ``sentinel://`` list (``transport_options``: its ``master_name``, ``sentinel_kwargs``),
-    ``disabled``, or ``pkg.module:Class``."""
+    ``db+<SQLAlchemy URL>`` (Celery's database store), ``disabled``, or
+    ``pkg.module:Class``."""
+    if url.startswith("db+"):
+        from .database import DatabaseBackend
+        return DatabaseBackend(url, expires=expires, extended=extended, retry=retry)
     url = as_redis(url)
     scheme = scheme_of(url) if "://" in url else ""
     if url == "disabled":
@@ -37,5 +41,6 @@ def backend_from_url(url: str, *, expires: float | None = None, extended: bool =
             raise ValueError(f"result_backend {url!r} is not a workhorse Backend subclass")
         return cls(url, expires=expires, extended=extended, retry=retry)
     raise ValueError(
-        f"result_backend {url!r}: expected sqlite:///<path>, redis://, rediss://, disabled "
+        f"result_backend {url!r}: expected sqlite:///<path>, redis://, rediss://, "
+        "db+<SQLAlchemy URL>, disabled "
         "or a Backend class path like package.module:Class")

@@ -28,6 +28,18 @@ def pending_meta(task_id: str) -> dict[str, Any]:
             "date_done": None, "task_id": task_id}
 
 
+def encoded(task_id: str, state: str, encode: Callable[[], T]) -> T:
+    """``encode()``: a task's value made storable. Any error in it is the value's, not the
+    store's: not retried (the same value fails the same way again), raised as
+    ResultEncodeError."""
+    try:
+        return encode()
+    except Exception as exc:
+        raise ResultEncodeError(
+            f"the {state} result of task {task_id} cannot be encoded as JSON: "
+            f"{describe_exception(exc)}") from exc
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How hard a store or fetch tries through errors the backend calls transient."""
@@ -148,17 +160,13 @@ class Backend(ABC):
     def store_result(self, task_id: str, result: Any, state: str,
                      traceback: str | None = None, request: RequestInfo | None = None,
                      extra: Mapping[str, Any] | None = None) -> None:
-        try:
+        def encode() -> str:
             meta = build_meta(task_id, state, result, traceback, request=request,
                               extended=self.extended)
             if extra:
                 meta.update(extra)
-            payload = dumps(meta)
-        except Exception as exc:   # any error here is the value's, not the store's
-            # Not retried and not a store outage: the same value fails the same way again.
-            raise ResultEncodeError(
-                f"the {state} result of task {task_id} cannot be encoded as JSON: "
-                f"{describe_exception(exc)}") from exc
+            return dumps(meta)
+        payload = encoded(task_id, state, encode)
         self.retrying(f"storing {state} for {task_id}", lambda: self._set(task_id, state, payload))
 
     def mark_as_started(self, task_id: str, request: RequestInfo | None = None) -> None:
@@ -231,6 +239,14 @@ class Backend(ABC):
         order; everyone else gets None. The claim is ``task_id``'s: reported again by that
         part (redelivered after its worker died before sending the body), the completion
         is handed out again; by another part, only after the claim has lapsed."""
+        encoded = dumps(self.encode_part(state, result))
+        return self.retrying(f"counting chord {group_id}", lambda: self._part_return(
+            group_id, task_id, -1 if index is None else index, state, encoded))
+
+    def _part_return(self, group_id: str, task_id: str, index: int, state: str,
+                     encoded: str) -> ChordCompletion | None:
+        """``chord_part_return`` in one transaction: ``index`` -1 for none, ``encoded``
+        the part's value as JSON."""
         raise NotImplementedError(f"{type(self).__name__} does not support chords")
 
     def chord_finished(self, group_id: str, token: str) -> None:
@@ -281,7 +297,7 @@ class Backend(ABC):
 
     def _no_claims(self) -> str:
         return (f"{type(self).__name__} does not support claims, which idempotent tasks "
-                "need: use a result_backend that does (sqlite:// or redis://)")
+                "need: use a result_backend that does (sqlite://, redis:// or db+…)")
 
     # -- the fences of periodic tasks (``workhorse.transport.fenced``), where the broker
     # cannot hold them in the step that publishes (RabbitMQ): moved here, then published.
@@ -376,4 +392,4 @@ class DisabledBackend(Backend):
     def _no_claims(self) -> str:
         return ("idempotent tasks need a result store to claim their keys in, and results "
                 "are disabled (result_backend = \"disabled\"): set result_backend to a "
-                "sqlite:// or redis:// URL, or drop idempotent=True")
+                "sqlite://, redis:// or db+ URL, or drop idempotent=True")

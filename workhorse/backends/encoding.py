@@ -21,8 +21,8 @@ from kombu.utils.json import dumps, loads
 from ..exceptions import CELERY_MODULE, CELERY_NAMED
 from ..states import EXCEPTION_STATES, READY_STATES
 
-__all__ = ["dumps", "loads", "encode_exception", "decode_exception", "build_meta",
-           "safe_repr", "describe_exception"]
+__all__ = ["dumps", "loads", "encode_exception", "decode_exception", "resolve_exception",
+           "build_meta", "safe_repr", "describe_exception"]
 
 _synthesized: dict[tuple[str | None, str], type[BaseException]] = {}
 
@@ -98,7 +98,11 @@ def _synthesize(module: str | None, name: str) -> type[BaseException]:
     return cls
 
 
-def _resolve(module: str | None, name: str) -> type[BaseException]:
+def resolve_exception(module: str | None, name: str, *,
+                      refuse_loaded: bool = False) -> type[BaseException] | None:
+    """The exception class ``module``.``name`` names: a loaded module's (never importing
+    one), else a synthesized class of that name. ``refuse_loaded``: None where a loaded
+    module defines the name as something other than an exception class."""
     own = _FROM_WIRE.get((module or "", name))
     if own is not None:
         return own
@@ -112,6 +116,8 @@ def _resolve(module: str | None, name: str) -> type[BaseException]:
                 break
     if isinstance(obj, type) and issubclass(obj, BaseException):
         return obj
+    if refuse_loaded and obj is not None:
+        return None
     return _synthesize(module, name)
 
 
@@ -125,7 +131,8 @@ def decode_exception(value: Any) -> BaseException:
     name = value["exc_type"]
     message = value.get("exc_message", ())
     args = tuple(message) if isinstance(message, (list, tuple)) else (message,)
-    cls = _resolve(module if isinstance(module, str) else None, name)
+    module = module if isinstance(module, str) else None
+    cls = resolve_exception(module, name) or _synthesize(module, name)
     try:
         return cls(*args)
     except Exception:  # noqa: BLE001 - a class whose __init__ wants other arguments

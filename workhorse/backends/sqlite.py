@@ -28,7 +28,7 @@ from ..forksafe import abandon
 from ..transport import fenced
 from ..transport.fenced import Record, Ticket
 from .base import Backend, ChordCompletion, ChordPart, Claim
-from .encoding import dumps, loads
+from .encoding import loads
 
 # Files made by an older version get the tables they lack when opened (sqlitedb.connect runs
 # the script, all IF NOT EXISTS, while user_version is below this): 3 added claims, 4
@@ -213,12 +213,6 @@ class SQLiteBackend(Backend):
         self.retrying(f"setting up chord {group_id}", lambda: self.conn.execute(
             "INSERT OR REPLACE INTO chords (group_id, size, expires_at) VALUES (?, ?, ?)",
             (group_id, size, time.time() + CHORD_EXPIRES)))
-
-    def chord_part_return(self, group_id: str, task_id: str, index: int | None, state: str,
-                          result: Any) -> ChordCompletion | None:
-        encoded = dumps(self.encode_part(state, result))
-        return self.retrying(f"counting chord {group_id}", lambda: self._part_return(
-            group_id, task_id, -1 if index is None else index, state, encoded))
 
     def _part_return(self, group_id: str, task_id: str, index: int, state: str,
                      encoded: str) -> ChordCompletion | None:

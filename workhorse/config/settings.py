@@ -98,8 +98,16 @@ def _check_list(value: str, schemes: tuple[str, ...], single: tuple[str, ...],
 def _check_backend(value: str) -> str | None:
     if value == "disabled" or ("://" not in value and "." in value):
         return None
+    if value.startswith("db+"):
+        # Celery's database store: SQLAlchemy's URL after db+, which SQLAlchemy checks.
+        dialect = value[3:].split("://", 1)[0]
+        if "://" in value and dialect and all(part.isidentifier()
+                                              for part in dialect.split("+")):
+            return None
+        return "expected db+<SQLAlchemy URL>, such as db+postgresql://user@host/database"
     return _check_list(value, RESULT_SCHEMES, ("sqlite", "redis", "rediss", "valkey", "valkeys"),
-                       ", \"disabled\" or a class path (package.module:Class)")
+                       ", db+<SQLAlchemy URL>, \"disabled\" or a class path "
+                       "(package.module:Class)")
 
 
 def _check_app(value: str) -> str | None:
@@ -257,7 +265,9 @@ SETTINGS: tuple[Setting, ...] = (
             lambda r: f"sqlite:///{r['state_dir'] / 'results.sqlite3'}",
             "Where results are stored: sqlite:///<path>, redis://, rediss:// (or valkey://, "
             "valkeys://), a Redis Sentinel list (sentinel://h1:26379;sentinel://h2:26379"
-            "?master_name=m), disabled, or a Backend class path.", default_doc="sqlite:///<state_dir>/results.sqlite3",
+            "?master_name=m), db+ and a SQLAlchemy URL (Celery's database store, "
+            "db+postgresql://user@host/db: pip install 'workhorse[sql]'), disabled, or a "
+            "Backend class path.", default_doc="sqlite:///<state_dir>/results.sqlite3",
             reload=False),
     Setting("result_backend_transport_options", "results", t.table(), {},
             "Options for a Redis result store, as Celery's setting of that name: "

@@ -226,6 +226,11 @@ def _worker(args: argparse.Namespace, settings: Settings, app: App | None,
     except OSError as exc:
         print(f"workhorse: cannot open the log file {settings.logfile}: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
+    try:
+        _ = app.backend     # a store whose library or driver is missing is named now
+    except ConfigError as exc:
+        print(f"workhorse: configuration error: {exc}", file=sys.stderr)
+        return ExitCode.CONFIG
     from .supervisor import Supervisor
 
     def reload() -> tuple[Settings, App]:

@@ -21,6 +21,7 @@ import enum
 import logging
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -116,6 +117,7 @@ class Supervisor:
         self.phase = Phase.STARTING
         self.exit_code: int = ExitCode.OK
         self._interrupts = 0
+        self._purging = False       # a purge of expired results runs on its own thread
         self.loop = Loop(self.system.monotonic)
         self.signals = SignalPipe(HANDLED_SIGNALS)
         size = clamp(settings.concurrency, settings.autoscale)
@@ -525,7 +527,25 @@ class Supervisor:
             self.intake.refresh_scheduled(self.settings.rabbitmq_consumer_timeout)
 
     def _purge_results(self) -> None:
-        removed = self.app.backend.purge_expired()  # type: ignore[attr-defined]
+        backend = self.app.backend
+        if not getattr(backend, "purge_blocks", False):
+            self._purge(backend)
+        elif not self._purging:
+            # A database over the network may be slow or down: the loop never waits on it.
+            self._purging = True
+            threading.Thread(target=self._purge_apart, name="result-purge", daemon=True).start()
+
+    def _purge_apart(self) -> None:
+        try:
+            self._purge(self.app.new_backend())
+        except Exception as exc:  # noqa: BLE001 - said; the next purge tries again
+            log.warning("result store: expired results not purged: %r", exc)
+        finally:
+            self._purging = False
+
+    @staticmethod
+    def _purge(backend: Any) -> None:
+        removed = backend.purge_expired()
         if removed:
             log.info("result store: %d expired results deleted", removed)
 
