@@ -56,6 +56,16 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str,
         time.sleep(interval)
 
 
+def check_celery_results(app) -> None:  # type: ignore[no-untyped-def]
+    """A Celery client ``app`` gets a workhorse worker's result, and its failure as the
+    exception the task raised (whatever result store they share)."""
+    assert app.send_task("tests.apps.basic.add", (2, 40)).get(timeout=20) == 42
+    failing = app.send_task("tests.apps.basic.fail", ("bad input",))
+    with pytest.raises(ValueError) as raised:
+        failing.get(timeout=20)
+    assert raised.value.args == ("bad input", 42)
+
+
 class BrokerEnv:
     """One broker for one test: a URL, a unique queue, and clean-up."""
 

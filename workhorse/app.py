@@ -145,7 +145,8 @@ class App:
         return backend_from_url(
             s.result_backend, expires=s.result_expires, extended=s.result_extended,
             retry=result_retry_policy(s),
-            transport_options=self.transport_options("result_backend_transport_options"))
+            transport_options=self.transport_options("result_backend_transport_options"),
+            connection=self.connection)
 
     # -- broker
     def queue_type(self, queue: str) -> str:
@@ -191,11 +192,14 @@ class App:
                   chain: Sequence[Mapping[str, Any]] | None = None,
                   chord: Mapping[str, Any] | None = None,
                   root_id: str | None = None, parent_id: str | None = None,
-                  group_id: str | None = None, group_index: int | None = None) -> AsyncResult:
+                  group_id: str | None = None, group_index: int | None = None,
+                  reply_to: str | None = None) -> AsyncResult:
         """Publish a protocol v2 message for task ``name`` and return its AsyncResult.
 
         ``link``/``link_error``: signatures to apply on success / call on failure.
-        ``root_id``/``parent_id`` default to the task this is sent from, if any."""
+        ``root_id``/``parent_id`` default to the task this is sent from, if any.
+        ``reply_to``: the queue rpc:// sends its states to (a retry keeps its sender's);
+        by default, with rpc://, this process's own."""
         if priority is not None and not (isinstance(priority, int) and 0 <= priority <= 255):
             raise ValueError(f"{name}: priority must be an integer from 0 to 255, not {priority!r}")
         for what, limit in (("time_limit", time_limit), ("soft_time_limit", soft_time_limit)):
@@ -224,6 +228,11 @@ class App:
         # message by itself, silently, and the task stays PENDING forever. workhorse leaves
         # expiry to the worker, which records REVOKED and acks (docs/delivery.md).
         properties.pop("expiration", None)
+        if reply_to:
+            properties["reply_to"] = reply_to
+        elif self.settings.result_backend.startswith("rpc://") and not ignore_result:
+            # rpc://: the states come back to this process's own reply queue.
+            properties["reply_to"] = self.backend.reply_to()  # type: ignore[attr-defined]
         queue_name = queue or self.settings.queues[0]
         try:
             self._publish(queue_name, message.body, message.headers, priority, properties)

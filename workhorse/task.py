@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 from ._state import current_context, new_task_id, pop_context, push_context
+from .backends import reply_of
 from .canvas import Signature, chain, chord, copy_signature, group, signature
 from .config.task_options import TASK_OPTIONS, TaskOptionError, check_options, check_time_limits
 from .exceptions import Ignore, MaxRetriesExceededError, Retry
@@ -273,13 +274,15 @@ class Task:
             link=request.callbacks, link_error=request.errbacks, chain=request.chain,
             chord=request.chord, expires=request.expires,
             ignore_result=request.headers.get("ignore_result"),
-            headers=custom_headers(request.headers))
+            headers=custom_headers(request.headers),
+            reply_to=(request.properties or {}).get("reply_to") or None)
         send.update(options)
         eta_at, _ = resolve_times(countdown if eta is None else None, eta, None)
         if not self.ignores_result(request.headers.get("ignore_result")):
             self.app.backend.mark_as_retry(request.id, exc or Retry(when=when), retries=retries,
                                            eta=eta_at, request={"task": self.name,
-                                                                "hostname": request.hostname})
+                                                                "hostname": request.hostname,
+                                                                **reply_of(request.properties)})
         self.app.send_task(self.name, call_args, call_kwargs, eta=eta_at, **send)
         signal = Retry(exc=exc, when=when)
         if throw:

@@ -28,6 +28,14 @@ def pending_meta(task_id: str) -> dict[str, Any]:
             "date_done": None, "task_id": task_id}
 
 
+def reply_of(properties: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The message properties a store needs in a request (rpc:// sends each state to
+    ``reply_to``, with ``correlation_id``): only those set."""
+    properties = properties or {}
+    return {name: properties[name] for name in ("reply_to", "correlation_id")
+            if properties.get(name)}
+
+
 def encoded(task_id: str, state: str, encode: Callable[[], T]) -> T:
     """``encode()``: a task's value made storable. Any error in it is the value's, not the
     store's: not retried (the same value fails the same way again), raised as

@@ -38,7 +38,7 @@ def ensure_queue(connection: Connection, name: str, queue_type: str = "classic")
         queue = task_queue(name)
         queue(connection.default_channel).declare()
         return queue
-    if _amqp_queue_exists(connection, name):
+    if amqp_queue_exists(connection, name):
         return Queue(name, no_declare=True)
     queue = task_queue(name, queue_type)
     queue(connection.default_channel).declare()
@@ -52,7 +52,8 @@ def declared_type(connection: Connection, name: str) -> str:
     return kind if isinstance(kind, str) else "classic"
 
 
-def _amqp_queue_exists(connection: Connection, name: str) -> bool:
+def amqp_queue_exists(connection: Connection, name: str) -> bool:
+    """Does RabbitMQ have a queue ``name`` (a passive declare, on a channel of its own)?"""
     channel = connection.channel()   # a failed passive declare closes its channel
     try:
         channel.queue_declare(name, passive=True)
@@ -80,7 +81,7 @@ def rabbitmq_dead_letter_target(connection: Connection, name: str) -> DeadLetter
     the refusal (repeating the queue's other arguments as the refusals reveal them). Only
     queue arguments are seen this way, not policies.
     """
-    if connection.transport.driver_type != "amqp" or not _amqp_queue_exists(connection, name):
+    if connection.transport.driver_type != "amqp" or not amqp_queue_exists(connection, name):
         return None
     exchange = probe_argument(connection, name, "x-dead-letter-exchange")
     if not isinstance(exchange, str):

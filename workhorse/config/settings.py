@@ -98,6 +98,8 @@ def _check_list(value: str, schemes: tuple[str, ...], single: tuple[str, ...],
 def _check_backend(value: str) -> str | None:
     if value == "disabled" or ("://" not in value and "." in value):
         return None
+    if value.startswith("rpc://"):
+        return None     # Celery's RPC store: through the broker, nothing more to name
     if value.startswith("db+"):
         # Celery's database store: SQLAlchemy's URL after db+, which SQLAlchemy checks.
         dialect = value[3:].split("://", 1)[0]
@@ -106,7 +108,7 @@ def _check_backend(value: str) -> str | None:
             return None
         return "expected db+<SQLAlchemy URL>, such as db+postgresql://user@host/database"
     return _check_list(value, RESULT_SCHEMES, ("sqlite", "redis", "rediss", "valkey", "valkeys"),
-                       ", db+<SQLAlchemy URL>, \"disabled\" or a class path "
+                       ", db+<SQLAlchemy URL>, rpc://, \"disabled\" or a class path "
                        "(package.module:Class)")
 
 
@@ -266,7 +268,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Where results are stored: sqlite:///<path>, redis://, rediss:// (or valkey://, "
             "valkeys://), a Redis Sentinel list (sentinel://h1:26379;sentinel://h2:26379"
             "?master_name=m), db+ and a SQLAlchemy URL (Celery's database store, "
-            "db+postgresql://user@host/db: pip install 'workhorse[sql]'), disabled, or a "
+            "db+postgresql://user@host/db: pip install 'workhorse[sql]'), rpc:// (each "
+            "state sent to the sender's reply queue, as Celery's RPC store), disabled, or a "
             "Backend class path.", default_doc="sqlite:///<state_dir>/results.sqlite3",
             reload=False),
     Setting("result_backend_transport_options", "results", t.table(), {},

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from kombu.message import Message
 
-from ..backends import RetryPolicy
+from ..backends import RetryPolicy, reply_of
 from ..chords import chord_part_return, fail_chain
 from ..exceptions import (
     MalformedMessage,
@@ -221,7 +221,8 @@ class Settlement:
         info = {"task": request.task, "hostname": self.hostname,
                 "retries": request.retries, "group": request.group,
                 "parent_id": request.parent_id,
-                "delivery_info": dict(delivery.message.delivery_info or {})}
+                "delivery_info": dict(delivery.message.delivery_info or {}),
+                **reply_of(delivery.message.properties)}
         backend = self.current.app.backend
         if decision.store is Store.REVOKED:
             backend.mark_as_revoked(task_id, detail or "revoked", request=info)

@@ -27,7 +27,7 @@ from ..exceptions import (
     Retry,
 )
 from ..outcome import Outcome
-from ..backends import Claim
+from ..backends import Claim, reply_of
 from ..backends.encoding import describe_exception, safe_repr
 from ..protocol import (
     NOMINAL_HEADER,
@@ -135,7 +135,8 @@ class TaskExecution:
         self.info: dict[str, Any] = {
             "task": job.task, "args": args, "kwargs": kwargs, "hostname": self.hostname,
             "retries": request.retries, "group": request.group, "parent_id": request.parent_id,
-            "delivery_info": job.delivery_info}
+            "delivery_info": job.delivery_info,
+            **reply_of(job.properties)}
         self.store = not task.ignores_result(request.ignore_result)
         task.push_request(self.context)
         try:
