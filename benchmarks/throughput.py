@@ -4,6 +4,8 @@ second on the same broker, in one run.
     python benchmarks/throughput.py --broker redis --tasks 4000 --repeat 3
     python benchmarks/throughput.py --acks-early      # every worker at-most-once
     python benchmarks/throughput.py --results        # results stored (SQLite, Redis)
+    python benchmarks/throughput.py --results-url db+postgresql://postgres@127.0.0.1/bench
+                                                     # ... or in this store (also rpc://)
     python benchmarks/throughput.py --workers 2      # two workers of each on one broker
     python benchmarks/throughput.py --metrics        # also workhorse with metrics, scraped
     python benchmarks/throughput.py --one-thread     # also workhorse on one thread (see
@@ -73,6 +75,10 @@ BROKERS = {
 }
 #: Where --results stores them: the SQLite file beside the SQLite broker, else Redis.
 RESULTS = {BROKERS[name]: "redis://127.0.0.1:6379/4" for name in ("redis", "amqp")}
+#: --results-url: one store for every broker and worker (db+postgresql://..., rpc://).
+RESULTS_URL: list[str] = []
+#: rpc://: the queue the filled messages name in reply_to (the run's queue and this).
+REPLIES = ".replies"
 #: The queue type each broker's run declares its queue with.
 QUEUE_TYPES = {"quorum": "quorum"}
 TASK_SETS = {"noop": ("bench.noop", []), "sleep": ("bench.sleep", [0.01])}
@@ -108,12 +114,17 @@ def fill(url: str, queue: str, task: str, args: list, count: int,
     ``ignore_result`` header is set unless ``results`` (both workers honour it)."""
     with Connection(url) as conn:
         ensure_queue(conn, queue, queue_type)
+        reply_to = ""
+        if results and RESULTS_URL == ["rpc://"]:    # a queue for the states to go to
+            reply_to = queue + REPLIES
+            ensure_queue(conn, reply_to)
         producer = Producer(conn)
         for _ in range(count):
-            msg = build_message(task, str(uuid.uuid4()), args, {}, ignore_result=not results)
+            msg = build_message(task, str(uuid.uuid4()), args, {}, ignore_result=not results,
+                                reply_to=reply_to)
             producer.publish(msg.body, exchange="", routing_key=queue, serializer="json",
                              headers=msg.headers, correlation_id=msg.properties["correlation_id"],
-                             delivery_mode=2)
+                             reply_to=reply_to, delivery_mode=2)
 
 
 def fill_dramatiq(url: str, queue: str, task: str, args: list, count: int) -> None:
@@ -139,7 +150,7 @@ def drop(url: str, queue: str) -> None:
         redis.Redis.from_url(url).flushdb()
         return
     with Connection(url) as conn:
-        for name in (queue, f"{queue}.DQ", f"{queue}.XQ"):     # Dramatiq's beside it
+        for name in (queue, f"{queue}.DQ", f"{queue}.XQ", queue + REPLIES):  # Dramatiq's too
             try:
                 ensure_queue(conn, name)(conn.default_channel).delete()
             except Exception:  # noqa: BLE001 - cleanup is best effort
@@ -176,6 +187,8 @@ def scrape(port: int, stop: threading.Event) -> None:
 
 
 def results_url(broker: str, workdir: Path) -> str:
+    if RESULTS_URL:
+        return RESULTS_URL[0]
     return RESULTS.get(BROKERS[broker] or "") or f"sqlite:///{workdir / 'results.sqlite3'}"
 
 
@@ -204,7 +217,8 @@ def measure(kind: str, broker: str, url: str, task_set: str, count: int, concurr
         env.update(WORKHORSE_QUEUE_TYPE=QUEUE_TYPES[broker], BENCH_QUEUE_TYPE=QUEUE_TYPES[broker])
     if results:
         env["WORKHORSE_RESULT_BACKEND"] = results_url(broker, workdir)
-        env["BENCH_RESULTS"] = results_url(broker, workdir).replace("sqlite:", "db+sqlite:")
+        store = results_url(broker, workdir)
+        env["BENCH_RESULTS"] = store if RESULTS_URL else store.replace("sqlite:", "db+sqlite:")
     stop_scraping = threading.Event()
     if kind == "workhorse+metrics":
         port = free_port()
@@ -343,6 +357,9 @@ def main() -> int:
     parser.add_argument("--results", action="store_true",
                         help="store results: in the SQLite file beside the SQLite broker, "
                              "else in Redis (Celery too; Dramatiq stores none)")
+    parser.add_argument("--results-url", metavar="URL",
+                        help="store results there, for every broker and worker: "
+                             "db+postgresql://postgres@127.0.0.1/bench, rpc://, ...")
     parser.add_argument("--against", type=Path, action="append", default=[],
                         help="also run workhorse as the checkout in this directory has it "
                              "(e.g. a git worktree of an earlier commit): before and after "
@@ -350,6 +367,9 @@ def main() -> int:
     parser.add_argument("--only", choices=("workhorse", "celery", "dramatiq"), action="append",
                         help="run only these (default: all that can run)")
     args = parser.parse_args()
+    if args.results_url:
+        RESULTS_URL.append(args.results_url)
+        args.results = True
     for checkout in args.against:
         CHECKOUTS[f"workhorse@{checkout.resolve().name}"[:18]] = checkout.resolve()
     dramatiq = importlib.util.find_spec("dramatiq") is not None
@@ -360,7 +380,8 @@ def main() -> int:
     print(f"{args.tasks} no-op tasks ({max(200, args.tasks // 5)} of 10 ms), concurrency "
           f"{args.concurrency}, {args.workers} worker(s) of each, prefetch multiplier 4, "
           f"acks {' and '.join(modes)}, results "
-          f"{'stored' if args.results else 'disabled'}; medians of {args.repeat} rounds, "
+          f"{('stored in ' + results_url(brokers[0], Path())) if args.results else 'disabled'}"
+          f"; medians of {args.repeat} rounds, "
           "each worker once a round in turn (a ratio: the median of the rounds' ratios)")
     if not dramatiq:
         print("(Dramatiq is not installed: pip install 'dramatiq[redis,rabbitmq]')")

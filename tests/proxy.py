@@ -16,6 +16,7 @@ class FreezableProxy:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self._frozen = threading.Event()
+        self._still = threading.Event()     # the proxy's thread has seen the freeze
         self._stop = threading.Event()
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
         self._lock = threading.Lock()
@@ -27,7 +28,11 @@ class FreezableProxy:
         return f"{scheme}://{credentials}127.0.0.1:{self.port}{rest}"
 
     def freeze(self) -> None:
+        """Stop forwarding; returns once nothing more goes through."""
+        self._still.clear()
         self._frozen.set()
+        if self._thread.is_alive() and not self._still.wait(5):
+            raise RuntimeError("the proxy's thread did not stop forwarding within 5 s")
 
     def thaw(self) -> None:
         self._frozen.clear()
@@ -48,6 +53,7 @@ class FreezableProxy:
         while not self._stop.is_set():
             if self._frozen.is_set():
                 # Accept nothing and forward nothing: the data waits in the kernel buffers.
+                self._still.set()
                 self._stop.wait(0.02)
                 continue
             for key, _ in selector.select(0.05):

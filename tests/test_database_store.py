@@ -3,11 +3,13 @@ Celery's tables. PostgreSQL on 127.0.0.1:5432 (user postgres); each test module 
 database of its own, dropped after."""
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -253,3 +255,82 @@ def test_the_worker_names_a_missing_driver_and_does_not_start(tmp_path):
 
 
 REDIS = REDIS_URL      # named for the tier detection: this module talks to Redis too
+
+
+# ---------------------------------------------------------------- the database's faults
+def _drain_with(on_redis, tmp_path, count: int, fault) -> list:  # type: ignore[no-untyped-def]
+    """``count`` record tasks through a worker while ``fault()`` is called until they are
+    all done; every one SUCCESS, each run once."""
+    app, broker, worker = on_redis
+    worker()
+    results = [app.send_task("tests.apps.basic.record") for _ in range(count)]
+    wait_until(lambda: fault() or all(r.state == "SUCCESS" for r in results), 120,
+               "every result stored through the fault")
+    ran = [task_id for name, task_id, _ in runs(tmp_path) if name == "record"]
+    assert sorted(ran) == sorted(r.id for r in results), "each task runs once"
+    return results
+
+
+def test_connections_lost_again_and_again_lose_no_result(on_redis, database, tmp_path):
+    """Every connection to the database is ended from the server's side every 50 ms while
+    200 tasks run: each store is retried on a new connection."""
+    import sqlalchemy as sa
+    name = database.rsplit("/", 1)[1]
+    admin = sa.create_engine(f"{POSTGRES}/postgres", isolation_level="AUTOCOMMIT")
+    ended = []
+
+    def end_connections() -> None:
+        with admin.connect() as conn:
+            ended.append(conn.execute(sa.text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = :db AND pid <> pg_backend_pid()"), {"db": name}).scalar())
+        time.sleep(0.05)
+
+    try:
+        _drain_with(on_redis, tmp_path, 200, end_connections)
+    finally:
+        admin.dispose()
+    assert sum(ended) > 0, "the fault was injected"
+
+
+def test_a_database_that_hangs_delays_results_and_the_supervisor_goes_on(
+        database, tmp_path, start_worker):
+    """The database behind a proxy that stops forwarding (a hung server): the children
+    wait in their stores, the supervisor's loop does not (its health file stays fresh);
+    thawed, every result is stored and nothing ran twice."""
+    require_service("Redis", 6379)
+    celery = pytest.importorskip("celery")
+    from tests.proxy import FreezableProxy
+
+    from workhorse.daemon.hostfiles import health_path
+    proxy = FreezableProxy(5432)
+    hung = database.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+    broker = make_broker("redis", tmp_path)
+    app = celery.Celery("dbhang", broker=broker.url, backend=database)
+    app.conf.task_default_queue = broker.queue
+    try:
+        worker = start_worker(broker, result_backend=hung, hostname="hang@test")
+        first = app.send_task("tests.apps.basic.add", (1, 1))
+        assert first.get(timeout=20) == 2
+        proxy.freeze()
+        results = [app.send_task("tests.apps.basic.record") for _ in range(20)]
+        wait_until(lambda: len(runs(tmp_path)) >= 2, 20, "tasks run into the hung store")
+        health = health_path(tmp_path / "state", "hang@test")
+        frozen_at, written = time.monotonic(), set()
+        while time.monotonic() - frozen_at < 6:
+            found = json.loads(health.read_text())
+            assert time.time() - found["written"] < 4, "the supervisor's loop stalled"
+            written.add(found["written"])
+            time.sleep(0.5)
+        assert len(written) >= 2, "the health file was rewritten while the store hung"
+        assert all(r.state == "PENDING" for r in results), [r.state for r in results]
+        proxy.thaw()
+        wait_until(lambda: all(r.state == "SUCCESS" for r in results), 60,
+                   "the results stored once the database answers")
+        ran = [task_id for name, task_id, _ in runs(tmp_path) if name == "record"]
+        assert sorted(ran) == sorted(r.id for r in results)
+        assert worker.proc.poll() is None
+    finally:
+        proxy.close()
+        app.close()
+        broker.cleanup()

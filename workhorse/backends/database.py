@@ -21,6 +21,7 @@ of the URL: psycopg for ``postgresql://``). Tested on PostgreSQL.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import time
@@ -131,6 +132,16 @@ def _tables(sa: Any, metadata: Any) -> dict[str, Any]:
     }
 
 
+def _upsert(module: str) -> Any:
+    def insert(table: Any) -> Any:
+        return importlib.import_module(f"sqlalchemy.dialects.{module}").insert(table)
+    return insert
+
+
+#: Dialects whose INSERT … ON CONFLICT DO UPDATE … WHERE writes a row in one statement.
+_UPSERTS = {"postgresql": _upsert("postgresql"), "sqlite": _upsert("sqlite")}
+
+
 class UnreadableResult(ValueError):
     """A stored value in a format workhorse does not read."""
 
@@ -175,38 +186,56 @@ class DatabaseBackend(Backend):
         self.metadata = self.sa.MetaData()
         self.t = _tables(self.sa, self.metadata)
         self._columns: frozenset[str] | None = None
+        self._upserts: dict[tuple[str, ...], Any] = {}
         # Made now, so a URL whose driver is missing fails the worker's start, by name.
-        self._engine: Any = self._new_engine()
+        self._engines: tuple[Any, Any] | None = self._new_engines()
         self._pid = os.getpid()
 
-    # -- connection, one engine a process
-    @property
-    def engine(self) -> sa.engine.Engine:
-        if self._engine is None or self._pid != os.getpid():
-            if self._engine is not None:
-                # Inherited across fork: its connections are the parent's; leave them be.
-                self._engine.dispose(close=False)
-            self._engine = self._new_engine()
+    # -- connections: two engines a process, one for transactions and one whose
+    # connections commit each statement as it runs (a store, a read: one round trip)
+    def _both(self) -> tuple[Any, Any]:
+        if self._engines is None or self._pid != os.getpid():
+            if self._engines is not None and self._pid != os.getpid():
+                # Inherited across fork: their connections are the parent's; leave them be.
+                for engine in self._engines:
+                    engine.dispose(close=False)
+            self._engines = self._new_engines()
             self._pid = os.getpid()
             self._columns = None
-        return self._engine
+        return self._engines
 
-    def _new_engine(self) -> Any:
+    @property
+    def engine(self) -> sa.engine.Engine:
+        """The engine for transactions."""
+        return self._both()[0]
+
+    def _new_engines(self) -> tuple[Any, Any]:
         sa = self.sa
         url = sa.engine.make_url(self.target)
         connect_args: dict[str, Any] = {}
         if url.get_backend_name() == "postgresql" and "connect_timeout" not in url.query:
             connect_args["connect_timeout"] = CONNECT_TIMEOUT
         try:
-            return sa.create_engine(url, pool_pre_ping=True, pool_recycle=3600,
-                                    connect_args=connect_args)
+            # No ping before each use (a round trip a store): a connection found dead
+            # fails its call, which is retried on a new one (on_connection_error).
+            return (sa.create_engine(url, pool_recycle=3600, connect_args=connect_args),
+                    sa.create_engine(url, pool_recycle=3600, connect_args=connect_args,
+                                     isolation_level="AUTOCOMMIT"))
         except Exception as exc:  # noqa: BLE001 - no driver, unknown dialect: say which
             raise ConfigError(f"result_backend {redact(self.url)!r}: {exc}") from None
 
     @contextmanager
     def _begin(self) -> Iterator[Any]:
+        """A transaction, committed at the end."""
         self._ensure_tables()
         with self.engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def _single(self) -> Iterator[Any]:
+        """For one statement: no transaction around it, so no round trip to commit."""
+        self._ensure_tables()
+        with self._both()[1].connect() as conn:
             yield conn
 
     def _ensure_tables(self) -> None:
@@ -225,10 +254,17 @@ class DatabaseBackend(Backend):
         self._columns = frozenset(found)
 
     def close(self) -> None:
-        if self._engine is not None and self._pid == os.getpid():
-            self._engine.dispose()
-        self._engine = None
+        if self._engines is not None and self._pid == os.getpid():
+            for engine in self._engines:
+                engine.dispose()
+        self._engines = None
         self._columns = None
+
+    def on_connection_error(self, exc: BaseException) -> None:
+        """Drop the pooled connections (any may be dead), keep the engines."""
+        if self._engines is not None and self._pid == os.getpid():
+            for engine in self._engines:
+                engine.dispose()
 
     def exception_safe_to_retry(self, exc: BaseException) -> bool:
         """A lost connection, a database down or refusing connections, a pool timeout,
@@ -263,6 +299,24 @@ class DatabaseBackend(Backend):
 
     def _write(self, task_id: str, row: dict[str, Any]) -> None:
         sa, task = self.sa, self.t["task"]
+        self._ensure_tables()
+        upsert = _UPSERTS.get(self.engine.dialect.name)
+        if upsert is not None:
+            # One statement: insert, or update unless SUCCESS is stored.
+            values = {k: v for k, v in row.items() if k in (self._columns or ())}
+            names = tuple(sorted(values))
+            statement = self._upserts.get(names)
+            if statement is None:   # built once for each set of columns, then only bound
+                insert = upsert(task).values(
+                    {"task_id": sa.bindparam("task_id"),
+                     **{name: sa.bindparam(name) for name in names}})
+                statement = self._upserts[names] = insert.on_conflict_do_update(
+                    index_elements=[task.c.task_id],
+                    set_={name: insert.excluded[name] for name in names},
+                    where=task.c.status != SUCCESS)
+            with self._single() as conn:
+                conn.execute(statement, {"task_id": task_id, **values})
+            return
         for _ in range(3):
             with self._begin() as conn:
                 known = self._columns or frozenset()
@@ -294,7 +348,7 @@ class DatabaseBackend(Backend):
 
     def _read(self, task_id: str) -> dict[str, Any]:
         task = self.t["task"]
-        with self._begin() as conn:
+        with self._single() as conn:
             row = conn.execute(self.sa.select(task).where(task.c.task_id == task_id)
                                ).mappings().first()
         if row is None:

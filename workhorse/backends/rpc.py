@@ -58,6 +58,7 @@ class RPCBackend(Backend):
         self._connect = connection
         self._lock = threading.Lock()
         self._conn: Connection | None = None
+        self._producer: Producer | None = None
         self._pid = 0
         self._oid: str | None = None          # this process's reply queue, once declared
         self._latest: dict[str, dict[str, Any]] = {}
@@ -68,6 +69,7 @@ class RPCBackend(Backend):
         if self._conn is None or self._pid != os.getpid():
             if self._pid != os.getpid():      # inherited across fork: not ours to use
                 self._oid, self._latest, self._known = None, {}, {}
+            self._producer = None
             self._conn = self._connect()
             self._pid = os.getpid()
         return self._conn
@@ -78,7 +80,7 @@ class RPCBackend(Backend):
                 self._conn.release()
             except Exception:   # closing a broken connection: said, and dropped
                 log.debug("rpc:// result connection: close failed", exc_info=True)
-        self._conn = None
+        self._conn = self._producer = None
 
     def exception_safe_to_retry(self, exc: BaseException) -> bool:
         conn = self._conn
@@ -153,13 +155,16 @@ class RPCBackend(Backend):
     def _send(self, reply_to: str, correlation_id: str, payload: str) -> None:
         with self._lock:
             conn = self._connection()
-            conn.ensure_connection(**PUBLISH_RETRY)
+            if self._producer is None or self._producer.channel is not conn.default_channel:
+                conn.ensure_connection(**PUBLISH_RETRY)
+                self._producer = Producer(conn.default_channel)
             if not self._exists(conn, reply_to):
                 return
-            Producer(conn.default_channel).publish(
+            # Not retried here: a failed send is retried by the store's policy (retrying),
+            # on a new connection.
+            self._producer.publish(
                 payload, exchange="", routing_key=reply_to, correlation_id=correlation_id,
-                content_type="application/json", content_encoding="utf-8",
-                delivery_mode=1, retry=True, retry_policy=PUBLISH_RETRY)
+                content_type="application/json", content_encoding="utf-8", delivery_mode=1)
 
     def _exists(self, conn: Connection, reply_to: str) -> bool:
         known = self._known.get(reply_to)
