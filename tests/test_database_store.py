@@ -296,8 +296,9 @@ def test_connections_lost_again_and_again_lose_no_result(on_redis, database, tmp
 def test_a_database_that_hangs_delays_results_and_the_supervisor_goes_on(
         database, tmp_path, start_worker):
     """The database behind a proxy that stops forwarding (a hung server): the children
-    wait in their stores, the supervisor's loop does not (its health file stays fresh);
-    thawed, every result is stored and nothing ran twice."""
+    wait in their stores, the supervisor's loop does not (its health file stays fresh),
+    not even for a store of its own (an expired task's REVOKED); thawed, every result is
+    stored and nothing ran twice."""
     require_service("Redis", 6379)
     celery = pytest.importorskip("celery")
     from tests.proxy import FreezableProxy
@@ -313,8 +314,12 @@ def test_a_database_that_hangs_delays_results_and_the_supervisor_goes_on(
         first = app.send_task("tests.apps.basic.add", (1, 1))
         assert first.get(timeout=20) == 2
         proxy.freeze()
+        # Expired on arrival: its REVOKED is the supervisor's own store, made off its loop.
+        expired = app.send_task("tests.apps.basic.add", (1, 2),
+                                expires=datetime.now(UTC) - timedelta(seconds=5))
         results = [app.send_task("tests.apps.basic.record") for _ in range(20)]
         wait_until(lambda: len(runs(tmp_path)) >= 2, 20, "tasks run into the hung store")
+        worker.wait_for_log("expired", timeout=20)
         health = health_path(tmp_path / "state", "hang@test")
         frozen_at, written = time.monotonic(), set()
         while time.monotonic() - frozen_at < 6:
@@ -327,6 +332,7 @@ def test_a_database_that_hangs_delays_results_and_the_supervisor_goes_on(
         proxy.thaw()
         wait_until(lambda: all(r.state == "SUCCESS" for r in results), 60,
                    "the results stored once the database answers")
+        wait_until(lambda: expired.state == "REVOKED", 30, "the expired task's REVOKED")
         ran = [task_id for name, task_id, _ in runs(tmp_path) if name == "record"]
         assert sorted(ran) == sorted(r.id for r in results)
         assert worker.proc.poll() is None

@@ -512,8 +512,9 @@ class DatabaseBackend(Backend):
                 conn.execute(sa.insert(claims).values(key=key, **values))
 
     # -- housekeeping
-    #: The supervisor runs purge_expired on a thread of its own: the database may be slow.
-    purge_blocks = True
+    #: A call may wait long on a database that stops answering: the supervisor makes
+    #: its own (its stores, the purge) off its loop, on threads of their own.
+    calls_block = True
 
     def purge_expired(self) -> int:
         """Delete results and groups whose ``date_done`` is older than ``result_expires``

@@ -29,8 +29,9 @@ from ..protocol import read_message
 from ..sqlitedb import said
 from ..states import FAILURE, REVOKED
 from ..broker.port import MAX_DELAY, BrokerPort
+from .apart import Apart
 from .current import Current
-from .delivery import Delivery
+from .delivery import Delivery, Stage
 from .events import TaskEvents
 from .metrics import Metrics
 from .holding import Holding
@@ -52,6 +53,8 @@ class Settlement:
         self.retry = retry
         #: Called after a message is settled or held to store: credit and fetching follow.
         self.on_change = on_change
+        #: Where the stores go when the result store's calls may block (made on first use).
+        self._apart: Apart | None = None
         #: Task events (how each task ended), set by the supervisor.
         self.events = TaskEvents()
         #: Prometheus counts, when served (metrics_port).
@@ -75,28 +78,61 @@ class Settlement:
 
     def _store_then_settle(self, delivery: Delivery, outcome: Outcome, decision: Decision,
                            detail: str | None, attempt: int) -> None:
+        if (decision.store is not Store.NOTHING
+                and getattr(self.current.app.backend, "calls_block", False)):
+            self._store_apart(delivery, outcome, decision, detail, attempt)
+            return
         try:
             self._store(delivery, decision, detail)
         except Exception as exc:  # noqa: BLE001 - the store's trouble, not the loop's
-            backend, policy = self.current.app.backend, self.retry
-            if (policy.always_retry and attempt < policy.max_retries
-                    and backend.exception_safe_to_retry(exc)):
-                delay = policy.delay(attempt)
-                (log.debug if said(exc) else log.warning)(
-                    "%s: result store: storing its %s result failed (%r); retry %d of %d in "
-                    "%.2f s, the message held until then", delivery.label,
-                    decision.store.value, exc, attempt + 1, policy.max_retries, delay)
-                backend.on_connection_error(exc)
-                self.holding.store(delivery)
-                delivery.settlement = (outcome, decision, detail)
-                delivery.timer = self.loop.call_later(delay, lambda: self._store_then_settle(
-                    delivery, outcome, decision, detail, attempt + 1))
-                self.on_change()
+            if self._retry_later(delivery, outcome, decision, detail, attempt, exc):
                 return
-            log.error("%s: could not store its %s result (%r)", delivery.label,
-                      decision.store.value, exc)
             decision = self._without_result(delivery, decision)
         self.carry_out(delivery, outcome, decision, detail)
+
+    def _retry_later(self, delivery: Delivery, outcome: Outcome, decision: Decision,
+                     detail: str | None, attempt: int, exc: Exception) -> bool:
+        """After a failed store: hold the message and retry from a timer (True), or say
+        the result cannot be stored (False)."""
+        backend, policy = self.current.app.backend, self.retry
+        if (policy.always_retry and attempt < policy.max_retries
+                and backend.exception_safe_to_retry(exc)):
+            delay = policy.delay(attempt)
+            (log.debug if said(exc) else log.warning)(
+                "%s: result store: storing its %s result failed (%r); retry %d of %d in "
+                "%.2f s, the message held until then", delivery.label,
+                decision.store.value, exc, attempt + 1, policy.max_retries, delay)
+            backend.on_connection_error(exc)
+            self.holding.store(delivery)
+            delivery.settlement = (outcome, decision, detail)
+            delivery.timer = self.loop.call_later(delay, lambda: self._store_then_settle(
+                delivery, outcome, decision, detail, attempt + 1))
+            self.on_change()
+            return True
+        log.error("%s: could not store its %s result (%r)", delivery.label,
+                  decision.store.value, exc)
+        return False
+
+    def _store_apart(self, delivery: Delivery, outcome: Outcome, decision: Decision,
+                     detail: str | None, attempt: int) -> None:
+        """The store on the Apart thread, the message held meanwhile; settled when it
+        ends, unless settled otherwise first (stopping: give_up_storing)."""
+        self.holding.store(delivery)
+        settlement = delivery.settlement = (outcome, decision, detail)
+        self.on_change()
+        if self._apart is None:
+            self._apart = Apart(self.loop, "result-store")
+
+        def then(exc: BaseException | None) -> None:
+            if delivery.stage is not Stage.STORING or delivery.settlement is not settlement:
+                return
+            if exc is None:
+                self.carry_out(delivery, outcome, decision, detail)
+            elif not (isinstance(exc, Exception) and self._retry_later(
+                    delivery, outcome, decision, detail, attempt, exc)):
+                self.carry_out(delivery, outcome, self._without_result(delivery, decision),
+                               detail)
+        self._apart.submit(lambda: self._store(delivery, decision, detail), then)
 
     def _without_result(self, delivery: Delivery, decision: Decision) -> Decision:
         """The result could not be stored: never ack it away without one. Dead letters keep

@@ -528,7 +528,7 @@ class Supervisor:
 
     def _purge_results(self) -> None:
         backend = self.app.backend
-        if not getattr(backend, "purge_blocks", False):
+        if not getattr(backend, "calls_block", False):
             self._purge(backend)
         elif not self._purging:
             # A database over the network may be slow or down: the loop never waits on it.
