@@ -107,6 +107,40 @@ def test_a_pickled_row_that_would_run_code_is_refused(store, tmp_path):
     assert not (tmp_path / "ran").exists()
 
 
+def test_a_transient_error_is_retried_and_a_lasting_one_raised(database, monkeypatch):
+    """As Celery's own t/integration/test_database_backend.py does for its store: an
+    OperationalError on the first attempt is retried; one on every attempt is raised
+    after max_retries, a bad value is not retried at all."""
+    import sqlalchemy as sa
+
+    from workhorse.backends import RetryPolicy
+    from workhorse.exceptions import ResultEncodeError
+    store = backend_from_url(database, retry=RetryPolicy(max_retries=2, base_sleep=0.001))
+    calls = []
+    real = type(store)._single
+
+    def failing(self, fail_times: int):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) <= fail_times:
+            raise sa.exc.OperationalError("simulated disconnect", {}, Exception())
+        return real(self)
+
+    monkeypatch.setattr(type(store), "_single", lambda self: failing(self, 1))
+    store.mark_as_done("transient", {"foo": "bar"})
+    assert len(calls) == 2
+    assert store.get_task_meta("transient")["result"] == {"foo": "bar"}
+    calls.clear()
+    monkeypatch.setattr(type(store), "_single", lambda self: failing(self, 99))
+    with pytest.raises(sa.exc.OperationalError):
+        store.mark_as_done("lasting", 1)
+    assert len(calls) == 3          # one attempt and two retries
+    calls.clear()
+    with pytest.raises(ResultEncodeError):
+        store.mark_as_done("unencodable", object())
+    assert calls == []
+    store.close()
+
+
 def test_a_success_is_never_written_over(store):
     store.mark_as_done("d1", "first")
     store.mark_as_failure("d1", ValueError("a repeated run"))
