@@ -331,8 +331,8 @@ def test_a_database_that_hangs_delays_results_and_the_supervisor_goes_on(
         database, tmp_path, start_worker):
     """The database behind a proxy that stops forwarding (a hung server): the children
     wait in their stores, the supervisor's loop does not (its health file stays fresh),
-    not even for a store of its own (an expired task's REVOKED); thawed, every result is
-    stored and nothing ran twice."""
+    not even for a store of its own (an expired task's REVOKED) or a running idempotent
+    task's claim renewals; thawed, every result is stored and nothing ran twice."""
     require_service("Redis", 6379)
     celery = pytest.importorskip("celery")
     from tests.proxy import FreezableProxy
@@ -344,9 +344,14 @@ def test_a_database_that_hangs_delays_results_and_the_supervisor_goes_on(
     app = celery.Celery("dbhang", broker=broker.url, backend=database)
     app.conf.task_default_queue = broker.queue
     try:
-        worker = start_worker(broker, result_backend=hung, hostname="hang@test")
+        # Claims renewed every 0.5 s: the supervisor renews a running idempotent task's.
+        worker = start_worker(broker, result_backend=hung, hostname="hang@test",
+                              visibility_timeout=2)
         first = app.send_task("tests.apps.basic.add", (1, 1))
         assert first.get(timeout=20) == 2
+        claimed = app.send_task("tests.apps.basic.once", (8,))
+        wait_until(lambda: any(name == "once" for name, _, _ in runs(tmp_path)), 20,
+                   "the idempotent task running")
         proxy.freeze()
         # Expired on arrival: its REVOKED is the supervisor's own store, made off its loop.
         expired = app.send_task("tests.apps.basic.add", (1, 2),
@@ -367,8 +372,10 @@ def test_a_database_that_hangs_delays_results_and_the_supervisor_goes_on(
         wait_until(lambda: all(r.state == "SUCCESS" for r in results), 60,
                    "the results stored once the database answers")
         wait_until(lambda: expired.state == "REVOKED", 30, "the expired task's REVOKED")
+        assert claimed.get(timeout=30) == claimed.id
         ran = [task_id for name, task_id, _ in runs(tmp_path) if name == "record"]
         assert sorted(ran) == sorted(r.id for r in results)
+        assert [name for name, _, _ in runs(tmp_path)].count("once") == 1
         assert worker.proc.poll() is None
     finally:
         proxy.close()

@@ -64,6 +64,10 @@ class RPCBackend(Backend):
         self._latest: dict[str, dict[str, Any]] = {}
         self._known: dict[str, bool] = {}     # reply queue -> it exists (RabbitMQ)
 
+    #: A send may wait on a broker that stops answering: the supervisor makes its own
+    #: off its loop (see the database store).
+    calls_block = True
+
     # -- the connection, one a process
     def _connection(self) -> Connection:
         if self._conn is None or self._pid != os.getpid():

@@ -21,18 +21,23 @@ Then = Callable[[BaseException | None], None]
 
 
 class Apart:
-    """One thread, calls made in order; ``then`` runs on the loop once its call ends."""
+    """One daemon thread (a hung call never holds up the process's exit), calls made in
+    order; ``then`` runs on ``loop`` once its call ends (without a loop, there is none:
+    the call says its own troubles)."""
 
-    def __init__(self, loop: Loop, name: str) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Then]] = queue.SimpleQueue()
+    def __init__(self, loop: Loop | None, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Then | None]] = (
+            queue.SimpleQueue())
         self._done: collections.deque[tuple[Then, BaseException | None]] = collections.deque()
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._read, False)
-        os.set_blocking(self._write, False)
-        loop.add_reader(self._read, self._hand_back)
+        self._read = self._write = -1
+        if loop is not None:
+            self._read, self._write = os.pipe()
+            os.set_blocking(self._read, False)
+            os.set_blocking(self._write, False)
+            loop.add_reader(self._read, self._hand_back)
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    def submit(self, call: Callable[[], object], then: Then) -> None:
+    def submit(self, call: Callable[[], object], then: Then | None = None) -> None:
         self._jobs.put((call, then))
 
     def _run(self) -> None:
@@ -43,6 +48,8 @@ class Apart:
                 call()
             except Exception as exc:  # noqa: BLE001 - handed to the loop, which decides
                 error = exc
+            if then is None or self._write < 0:
+                continue
             self._done.append((then, error))
             try:
                 os.write(self._write, b"\0")

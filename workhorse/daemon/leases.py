@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from kombu.message import Message
 
+from .apart import Apart
 from .delivery import Delivery, Stage
 from ..broker.port import BrokerPort
 from .current import Current
@@ -29,6 +30,7 @@ class Leases:
         self.on_change = on_change
         #: Leases renewed so far (metrics).
         self.renewed = 0
+        self._claims_thread: Apart | None = None
 
     @property
     def interval(self) -> float:
@@ -50,9 +52,30 @@ class Leases:
             self.renewed += len(held)
         claims = {d.claim[0]: d.claim[1] for d in self.holding.running if d.claim is not None}
         if claims:
-            for key in self.current.app.backend.renew_claims(claims, self.visibility_timeout):
-                log.warning("idempotency claim on %r lost (not renewed in time): another "
-                            "delivery may start it", key)
+            self._claims_call(lambda: self._renew_claims(claims))
+
+    def _renew_claims(self, claims: dict[str, str]) -> None:
+        for key in self.current.app.backend.renew_claims(claims, self.visibility_timeout):
+            log.warning("idempotency claim on %r lost (not renewed in time): another "
+                        "delivery may start it", key)
+
+    def _claims_call(self, call: Callable[[], None]) -> None:
+        """``call`` now, or, for a result store whose calls may hang (``calls_block``), on
+        a thread of its own, never on the loop (calls queue there behind a hung one)."""
+        if not getattr(self.current.app.backend, "calls_block", False):
+            call()
+            return
+        if self._claims_thread is None:
+            self._claims_thread = Apart(None, "claims")
+        self._claims_thread.submit(lambda: self._logged(call))
+
+    @staticmethod
+    def _logged(call: Callable[[], None]) -> None:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - a claim lapses on its own
+            log.warning("idempotency claims: renewing or releasing failed (%r); they lapse "
+                        "unless renewed in time", exc)
 
     def release_claim(self, delivery: Delivery) -> None:
         """Its child is gone without ending the claim: let another delivery take it now."""
@@ -60,11 +83,14 @@ class Leases:
             return
         key, owner = delivery.claim
         delivery.claim = None
-        try:
-            self.current.app.backend.release_claim(key, owner)
-        except Exception as exc:  # noqa: BLE001 - it lapses on its own
-            log.warning("%s: could not release idempotency claim %r (%r); it lapses in %.0f s",
-                        delivery.label, key, exc, self.visibility_timeout)
+
+        def release() -> None:
+            try:
+                self.current.app.backend.release_claim(key, owner)
+            except Exception as exc:  # noqa: BLE001 - it lapses on its own
+                log.warning("%s: could not release idempotency claim %r (%r); it lapses in "
+                            "%.0f s", delivery.label, key, exc, self.visibility_timeout)
+        self._claims_call(release)
 
     def _lease_lost(self, delivery: Delivery) -> None:
         """Our lease ran out (renewals failed for a whole visibility_timeout): the broker may
