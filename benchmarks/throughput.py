@@ -357,9 +357,10 @@ def main() -> int:
     parser.add_argument("--results", action="store_true",
                         help="store results: in the SQLite file beside the SQLite broker, "
                              "else in Redis (Celery too; Dramatiq stores none)")
-    parser.add_argument("--results-url", metavar="URL",
+    parser.add_argument("--results-url", metavar="URL", action="append",
                         help="store results there, for every broker and worker: "
-                             "db+postgresql://postgres@127.0.0.1/bench, rpc://, ...")
+                             "db+postgresql://postgres@127.0.0.1/bench, rpc://, ...; "
+                             "given more than once, each store in turn within a round")
     parser.add_argument("--against", type=Path, action="append", default=[],
                         help="also run workhorse as the checkout in this directory has it "
                              "(e.g. a git worktree of an earlier commit): before and after "
@@ -368,7 +369,7 @@ def main() -> int:
                         help="run only these (default: all that can run)")
     args = parser.parse_args()
     if args.results_url:
-        RESULTS_URL.append(args.results_url)
+        RESULTS_URL[:] = args.results_url[:1]
         args.results = True
     for checkout in args.against:
         CHECKOUTS[f"workhorse@{checkout.resolve().name}"[:18]] = checkout.resolve()
@@ -377,10 +378,12 @@ def main() -> int:
     sets = args.sets or ["noop", "sleep"]
     modes = ["early"] if args.acks_early else (["late", "early"] if args.acks == "both"
                                                else [args.acks])
+    stored = ("stored in " + ", ".join(args.results_url or [results_url(brokers[0], Path())])
+              if args.results else "disabled")
     print(f"{args.tasks} no-op tasks ({max(200, args.tasks // 5)} of 10 ms), concurrency "
           f"{args.concurrency}, {args.workers} worker(s) of each, prefetch multiplier 4, "
           f"acks {' and '.join(modes)}, results "
-          f"{('stored in ' + results_url(brokers[0], Path())) if args.results else 'disabled'}"
+          f"{stored}"
           f"; medians of {args.repeat} rounds, "
           "each worker once a round in turn (a ratio: the median of the rounds' ratios)")
     if not dramatiq:
@@ -409,11 +412,15 @@ def main() -> int:
                 kinds = [k for k in kinds if re.split("[+@]", k)[0] in args.only]
             for task_set, mode in [(t, m) for t in sets for m in modes]:
                 count = args.tasks if task_set == "noop" else max(200, args.tasks // 5)
-                # One list per kind, a place per round (None: that run failed).
-                results: dict[str, list[Run | None]] = {kind: [] for kind in kinds}
+                # For each store (--results-url, given more than once: each in turn
+                # within a round), one list per kind, a place per round (None: failed).
+                stores = list(args.results_url or [None])
+                results: dict[str | None, dict[str, list[Run | None]]] = {
+                    store: {kind: [] for kind in kinds} for store in stores}
                 for _ in range(args.repeat):
-                    for kind in kinds:   # interleaved: the same noise for each
-                        try:
+                    for store, kind in [(s, k) for s in stores for k in kinds]:
+                        RESULTS_URL[:] = [store] if store else []
+                        try:   # interleaved: the same noise for each
                             run: Run | None = measure(
                                 kind, broker, url, task_set, count, args.concurrency,
                                 workdir, acks_late=mode == "late", results=args.results,
@@ -421,8 +428,11 @@ def main() -> int:
                         except RuntimeError as exc:
                             print(f"  {kind} on {broker}: {exc}", file=sys.stderr)
                             run = None
-                        results[kind].append(run)
-                report(broker, task_set, mode, results)
+                        results[store][kind].append(run)
+                for store in stores:
+                    if len(stores) > 1:
+                        print(f"-- results stored in {store}")
+                    report(broker, task_set, mode, results[store])
     return 0
 
 
