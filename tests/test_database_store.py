@@ -141,6 +141,40 @@ def test_a_transient_error_is_retried_and_a_lasting_one_raised(database, monkeyp
     store.close()
 
 
+def _first_store(url: str, n: int, barrier) -> None:  # type: ignore[no-untyped-def]
+    store = backend_from_url(url)
+    barrier.wait(10)
+    store.mark_as_done(f"first-{n}", n)
+
+
+def test_processes_storing_first_into_an_empty_database_all_store(fork_ctx):
+    """Six processes make the tables at once (a worker's children at its first results):
+    the one that loses the race to CREATE TABLE checks again instead of failing."""
+    require_service("PostgreSQL", 5432)
+    import sqlalchemy as sa
+    name = f"wh_empty_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(f"{POSTGRES}/postgres", isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"CREATE DATABASE {name}"))
+    try:
+        url = f"db+{POSTGRES}/{name}"
+        barrier = fork_ctx.Barrier(6)
+        processes = [fork_ctx.Process(target=_first_store, args=(url, n, barrier))
+                     for n in range(6)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(60)
+        assert [p.exitcode for p in processes] == [0] * 6
+        store = backend_from_url(url)
+        assert [store.get_task_meta(f"first-{n}")["result"] for n in range(6)] == list(range(6))
+        store.close()
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        admin.dispose()
+
+
 def test_a_success_is_never_written_over(store):
     store.mark_as_done("d1", "first")
     store.mark_as_failure("d1", ValueError("a repeated run"))

@@ -242,7 +242,12 @@ class DatabaseBackend(Backend):
         if self._columns is not None and self._pid == os.getpid():
             return
         engine = self.engine
-        self.metadata.create_all(engine, checkfirst=True)
+        try:
+            self.metadata.create_all(engine, checkfirst=True)
+        except (self.sa.exc.ProgrammingError, self.sa.exc.IntegrityError):
+            # Another process made a table between the check and the CREATE (two children
+            # storing their first results into an empty database): check again.
+            self.metadata.create_all(engine, checkfirst=True)
         # A table Celery made without result_extended lacks those columns: write the
         # columns it has.
         found = {c["name"] for c in self.sa.inspect(engine).get_columns(TASK_TABLE)}
