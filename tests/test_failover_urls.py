@@ -67,7 +67,7 @@ def test_a_worker_whose_first_url_is_dead_runs_tasks_and_answers_on_the_next(
     broker = BrokerEnv("amqp", f"{dead};{AMQP_URL}", f"t-{uuid.uuid4().hex[:10]}")
     hostname = f"fo-{uuid.uuid4().hex[:8]}@test"
     worker = start_worker(broker, hostname=hostname, send_events=True)
-    assert "broker: connected to 127.0.0.1:5672" in worker.log()
+    worker.wait_for_log(r"broker: connected to 127\.0\.0\.1:5672")   # said as it gets ready
     client = App("client", broker_url=broker.url, queues=[broker.queue],
                  result_backend=f"sqlite:///{tmp_path / 'results.sqlite3'}")
     celery = celery_app(BrokerEnv("amqp", AMQP_URL, broker.queue))

@@ -73,6 +73,8 @@ def test_a_node_killed_mid_drain_loses_no_task(cluster, victim, exchange_type, s
     worker = start_worker(BrokerEnv("quorum", cluster.url, queue), concurrency=CONCURRENCY,
                           prefetch_multiplier=MULTIPLIER, acks_late=True,
                           result_backend=RESULTS_URL)
+    # Said as the worker gets ready, at times just after "ready:" is written.
+    worker.wait_for_log(r"broker: connected to 127\.0\.0\.1:\d+")
     port = int(re.search(r"broker: connected to 127\.0\.0\.1:(\d+)", worker.log())[1])
     connected = cluster.connected_node(port)
     assert connected is cluster.nodes[0]        # the list's first URL, not the leader's
