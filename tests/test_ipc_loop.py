@@ -1,12 +1,14 @@
 """Frames between supervisor and child, and the loop's timers and wakeups."""
 from __future__ import annotations
 
+import marshal
 import os
 import pickle
 import signal
 import struct
 import time
 import types
+from datetime import UTC, datetime
 
 from workhorse.daemon.loop import Loop
 from workhorse.daemon.signals import SignalPipe
@@ -326,21 +328,62 @@ def test_redis_waits_are_armed_only_once_a_take_found_the_lists_empty(monkeypatc
 
 
 
-def test_a_job_crosses_as_a_plain_tuple_and_arrives_as_a_job():
-    """Jobs are pickled as plain tuples (half the cost of a named tuple's pickle, paid
-    for every task); the child's reader makes them Jobs again, whole and equal."""
-    job = Job(7, "t.add", b"[[1, 2], {}, {}]", "application/json", "utf-8", {"id": "x"},
-              {"routing_key": "q"}, True, "q", 3, False, "owner", 30.0, {"priority": 3},
-              True, True, 1.5, 2.5)
-    data = encode(job)
-    assert type(pickle.loads(data[4:])) is tuple
+def _through_a_pipe(data: bytes) -> list[object]:
     r, w = os.pipe()
     try:
         os.write(w, data + encode(Stop()))
         stream = FrameStream(r)
-        got, stop = stream.read(), stream.read()
+        return [stream.read(), stream.read()]
     finally:
         os.close(r)
         os.close(w)
-    assert type(got) is Job and got == job
-    assert type(stop) is Stop
+
+
+def test_a_job_crosses_marshalled_as_a_plain_tuple_and_arrives_as_a_job():
+    """Jobs go as plain tuples through marshal (a named tuple's pickle costs a Python call,
+    pickle itself more than marshal, for every task); the child's reader makes them Jobs
+    again, whole and equal."""
+    job = Job(7, "t.add", b"[[1, 2], {}, {}]", "application/json", "utf-8", {"id": "x"},
+              {"routing_key": "q"}, True, "q", 3, False, "owner", 30.0, {"priority": 3},
+              True, True, 1.5, 2.5)
+    data = encode(job)
+    assert data[4] != 0x80 and marshal.loads(data[4:]) == tuple(job)
+    got, stop = _through_a_pipe(data)
+    assert type(got) is Job and got == job and stop == Stop()
+
+
+def test_a_job_holding_what_marshal_cannot_carry_is_pickled_and_arrives_whole():
+    """kombu's JSON can decode a header into a datetime: marshal refuses it, pickle takes it."""
+    when = datetime(2026, 11, 27, 12, 0, tzinfo=UTC)
+    job = Job(8, "t.add", b"[[], {}, {}]", "application/json", "utf-8",
+              {"id": "y", "eta": when}, {}, False)
+    data = encode(job)
+    assert data[4] == 0x80 and type(pickle.loads(data[4:])) is tuple
+    got, _ = _through_a_pipe(data)
+    assert type(got) is Job and got == job and got.headers["eta"] == when
+
+
+def test_a_done_crosses_marshalled_and_other_frames_pickled():
+    done = Done(4242, 9, "failed", "boom", 123, 0.5, None, "Traceback")
+    hello = Hello(4242)
+    data = encode(done) + encode(hello)
+    assert data[4] != 0x80
+    reader, r, w = _reader_fed(data)
+    try:
+        got = reader.read()
+    finally:
+        os.close(r)
+        os.close(w)
+    assert got == [done, hello] and type(got[0]) is Done and type(got[1]) is Hello
+
+
+def test_a_marshalled_frame_that_is_not_a_done_is_corrupt():
+    """A task's forked process could write anything on its parent's pipe."""
+    payload = marshal.dumps((1, 2, 3))
+    reader, r, w = _reader_fed(struct.pack("!I", len(payload)) + payload)
+    try:
+        [mark] = reader.read()
+    finally:
+        os.close(r)
+        os.close(w)
+    assert isinstance(mark, Corrupt) and "not a Done" in mark.reason

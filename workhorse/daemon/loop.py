@@ -11,19 +11,22 @@ import logging
 import selectors
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 Callback = Callable[[], None]
 
 log = logging.getLogger("workhorse.supervisor")
 
 
-@dataclass(order=True)
 class Timer:
-    when: float
-    seq: int
-    callback: Callback = field(compare=False)
-    cancelled: bool = field(default=False, compare=False)
+    """A callback due at ``when`` (the loop's clock). The heap holds ``(when, seq, timer)``:
+    tuples compare in C, where an ordered dataclass compared in Python, several times a
+    task (``seq`` is unique, so the timer itself is never compared)."""
+
+    __slots__ = ("when", "seq", "callback", "cancelled")
+
+    def __init__(self, when: float, seq: int, callback: Callback) -> None:
+        self.when, self.seq, self.callback = when, seq, callback
+        self.cancelled = False
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -33,7 +36,7 @@ class Loop:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.selector = selectors.DefaultSelector()
-        self._timers: list[Timer] = []
+        self._timers: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
         self._before_wait: list[Callback] = []
 
@@ -65,8 +68,9 @@ class Loop:
 
     # -- timers
     def call_at(self, when: float, callback: Callback) -> Timer:
-        timer = Timer(when, next(self._seq), callback)
-        heapq.heappush(self._timers, timer)
+        seq = next(self._seq)
+        timer = Timer(when, seq, callback)
+        heapq.heappush(self._timers, (when, seq, timer))
         return timer
 
     def call_later(self, delay: float, callback: Callback) -> Timer:
@@ -89,11 +93,11 @@ class Loop:
 
     def next_timeout(self, now: float) -> float | None:
         timers = self._timers
-        while timers and timers[0].cancelled:
+        while timers and timers[0][2].cancelled:
             heapq.heappop(timers)
         if not timers:
             return None
-        return max(0.0, timers[0].when - now)
+        return max(0.0, timers[0][0] - now)
 
     # -- one turn
     def run_once(self, max_timeout: float | None = None) -> None:
@@ -124,8 +128,8 @@ class Loop:
         """Run the timers that are due by the clock now."""
         now = self.clock()
         timers = self._timers
-        while timers and (timers[0].cancelled or timers[0].when <= now):
-            timer = heapq.heappop(timers)
+        while timers and (timers[0][0] <= now or timers[0][2].cancelled):
+            timer = heapq.heappop(timers)[2]
             if not timer.cancelled:
                 timer.callback()
 
