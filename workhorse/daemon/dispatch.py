@@ -257,7 +257,7 @@ class Dispatch:
         job = Job(delivery.seq, request.task, message.body, message.content_type,
                   message.content_encoding, dict(message.headers or {}),
                   delivery_info, self._track_started(delivery.task),
-                  delivery.queue, priority,
+                  str(delivery.queue), priority,   # (not a QueueName: see ipc.encode)
                   delivery.policy.acks_late, claim_owner=self.claim_owner(delivery.seq),
                   claim_ttl=self.current.settings.visibility_timeout,
                   properties=dict(message.properties or {}), events=self.events.on)

@@ -120,7 +120,8 @@ def encode(obj: object) -> bytes:
     if kind is Job or kind is Done:
         try:
             payload = marshal.dumps(tuple(obj))     # type: ignore[arg-type]
-        except ValueError:      # a value marshal does not carry (a datetime, a subclass)
+        except ValueError:      # a value marshal does not carry (a datetime, a subclass:
+            # a str subclass costs pickle a Python-level reduce, ten times the frame's cost)
             # A Job still goes as a plain tuple (``decode`` makes it a Job again): a named
             # tuple is pickled through a Python call (__getnewargs__), at twice the cost.
             payload = pickle.dumps(tuple(obj) if kind is Job else obj,  # type: ignore[arg-type]
