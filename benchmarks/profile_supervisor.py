@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import shutil
 import signal
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -30,12 +32,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import BROKERS, ROOT, command, drop, fill
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def drain_parser(doc: str, tasks: int, seconds: float) -> argparse.ArgumentParser:
+    """The options of a script that measures a worker ``draining`` a queue."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--broker", choices=sorted(BROKERS), default="redis")
-    parser.add_argument("--tasks", type=int, default=20000)
-    parser.add_argument("--seconds", type=int, default=6)
+    parser.add_argument("--tasks", type=int, default=tasks)
+    parser.add_argument("--seconds", type=float, default=seconds)
     parser.add_argument("--acks-early", action="store_true", help="acks_late = false")
+    return parser
+
+
+def main() -> int:
+    parser = drain_parser(__doc__, 20000, 6)
     parser.add_argument("--results", action="store_true",
                         help="store results (SQLite or Redis store, as the broker)")
     parser.add_argument("--top", type=int, default=30)
@@ -52,24 +60,57 @@ def main() -> int:
     if pyspy is None:
         print("py-spy is not installed: pip install py-spy", file=sys.stderr)
         return 2
+    with draining(args.broker, args.tasks, args.acks_early, args.results) as (proc, counter):
+        main_proc = psutil.Process(proc.pid)
+        done0, cpu0 = counter.stat().st_size, sum(main_proc.cpu_times()[:2])
+        raw = counter.parent / "stacks.txt"
+        spy = [pyspy, "record", "-p", str(proc.pid), "-d", str(round(args.seconds)), "-r", "250",
+               "-f", "raw", "-o", str(raw), "--nonblocking", "--threads"]
+        if args.idle:
+            spy.append("--idle")
+        if not args.all:
+            spy.append("--gil")
+        subprocess.run(spy, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        done1, cpu1 = counter.stat().st_size, sum(main_proc.cpu_times()[:2])
+        collapsed = raw.read_text()
+        if args.keep:
+            shutil.copy(raw, args.keep)
+    tasks = done1 - done0
+    if tasks >= args.tasks - 200:
+        print("warning: the queue ran dry while sampling; use more --tasks", file=sys.stderr)
+    print(f"{args.broker}, acks_{'early' if args.acks_early else 'late'}, results "
+          f"{'stored' if args.results else 'disabled'}: {tasks} tasks in the sampled span, "
+          f"supervisor CPU {(cpu1 - cpu0) / max(tasks, 1) * 1e6:.0f} µs/task "
+          "(py-spy's own sampling included)")
+    report(collapsed, args.top)
+    return 0
+
+
+@contextlib.contextmanager
+def draining(broker: str, tasks: int, acks_early: bool = False, results: bool = False,
+             stop: int | None = None) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """A queue of ``tasks`` no-op tasks and ``workhorse worker`` (concurrency 2, prefetch
+    multiplier 4) draining it, once 200 are done: the worker's process and the file
+    that grows by a byte a task. Killed, and the queue dropped, on leaving (sent ``stop``
+    first and given a minute to exit, if given)."""
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        url = BROKERS[args.broker] or f"sqlite:///{workdir / 'broker.sqlite3'}"
+        url = BROKERS[broker] or f"sqlite:///{workdir / 'broker.sqlite3'}"
         queue = f"prof-{uuid.uuid4().hex[:8]}"
         counter = workdir / "count"
         counter.touch()
-        fill(url, queue, "bench.noop", [], args.tasks, results=args.results)
-        results = "disabled"
-        if args.results:
-            results = ("redis://127.0.0.1:6379/4" if args.broker == "redis"
-                       else f"sqlite:///{workdir / 'results.sqlite3'}")
+        fill(url, queue, "bench.noop", [], tasks, results=results)
+        store = "disabled"
+        if results:
+            store = ("redis://127.0.0.1:6379/4" if broker == "redis"
+                     else f"sqlite:///{workdir / 'results.sqlite3'}")
         env = {k: v for k, v in os.environ.items() if not k.startswith("WORKHORSE_")}
         env.update(PYTHONPATH=str(ROOT), BENCH_COUNTER=str(counter), WORKHORSE_BROKER_URL=url,
-                   WORKHORSE_RESULT_BACKEND=results, WORKHORSE_STATE_DIR=str(workdir / "state"),
+                   WORKHORSE_RESULT_BACKEND=store, WORKHORSE_STATE_DIR=str(workdir / "state"),
                    WORKHORSE_PREFETCH_MULTIPLIER="4",
-                   WORKHORSE_ACKS_LATE="false" if args.acks_early else "true")
-        if args.results:
-            env["BENCH_RESULTS"] = results
+                   WORKHORSE_ACKS_LATE="false" if acks_early else "true")
+        if results:
+            env["BENCH_RESULTS"] = store
         log = open(workdir / "worker.log", "wb")
         proc = subprocess.Popen(command("workhorse", queue, 2), cwd=ROOT, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -77,36 +118,20 @@ def main() -> int:
             deadline = time.monotonic() + 60
             while counter.stat().st_size < 200:
                 if time.monotonic() > deadline or proc.poll() is not None:
-                    print((workdir / "worker.log").read_text(), file=sys.stderr)
-                    return 1
+                    raise RuntimeError("the worker did not start draining:\n"
+                                       + (workdir / "worker.log").read_text())
                 time.sleep(0.01)
-            main_proc = psutil.Process(proc.pid)
-            done0, cpu0 = counter.stat().st_size, sum(main_proc.cpu_times()[:2])
-            raw = workdir / "stacks.txt"
-            spy = [pyspy, "record", "-p", str(proc.pid), "-d", str(args.seconds), "-r", "250",
-                   "-f", "raw", "-o", str(raw), "--nonblocking", "--threads"]
-            if args.idle:
-                spy.append("--idle")
-            if not args.all:
-                spy.append("--gil")
-            subprocess.run(spy, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            done1, cpu1 = counter.stat().st_size, sum(main_proc.cpu_times()[:2])
+            yield proc, counter
         finally:
-            os.killpg(proc.pid, signal.SIGKILL)
+            if stop is not None:
+                proc.send_signal(stop)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(60)
+            with contextlib.suppress(ProcessLookupError):     # (gone with its group)
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             log.close()
             drop(url, queue)
-        tasks = done1 - done0
-        if tasks >= args.tasks - 200:
-            print("warning: the queue ran dry while sampling; use more --tasks", file=sys.stderr)
-        print(f"{args.broker}, acks_{'early' if args.acks_early else 'late'}, results "
-              f"{'stored' if args.results else 'disabled'}: {tasks} tasks in the sampled span, "
-              f"supervisor CPU {(cpu1 - cpu0) / max(tasks, 1) * 1e6:.0f} µs/task "
-              "(py-spy's own sampling included)")
-        report(raw.read_text(), args.top)
-        if args.keep:
-            shutil.copy(raw, args.keep)
-    return 0
 
 
 def report(collapsed: str, top: int) -> None:
