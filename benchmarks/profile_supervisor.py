@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import psutil
@@ -88,11 +88,13 @@ def main() -> int:
 
 @contextlib.contextmanager
 def draining(broker: str, tasks: int, acks_early: bool = False, results: bool = False,
-             stop: int | None = None) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+             stop: int | None = None, python_args: Sequence[str] = (),
+             ) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     """A queue of ``tasks`` no-op tasks and ``workhorse worker`` (concurrency 2, prefetch
     multiplier 4) draining it, once 200 are done: the worker's process and the file
     that grows by a byte a task. Killed, and the queue dropped, on leaving (sent ``stop``
-    first and given a minute to exit, if given)."""
+    first and given a minute to exit, if given). ``python_args`` go to the interpreter
+    before the worker's module (``-m cProfile -o FILE``)."""
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         url = BROKERS[broker] or f"sqlite:///{workdir / 'broker.sqlite3'}"
@@ -112,7 +114,8 @@ def draining(broker: str, tasks: int, acks_early: bool = False, results: bool = 
         if results:
             env["BENCH_RESULTS"] = store
         log = open(workdir / "worker.log", "wb")
-        proc = subprocess.Popen(command("workhorse", queue, 2), cwd=ROOT, env=env, stdout=log,
+        python, *worker = command("workhorse", queue, 2)
+        proc = subprocess.Popen([python, *python_args, *worker], cwd=ROOT, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.monotonic() + 60

@@ -31,7 +31,6 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import profile_supervisor
 from profile_supervisor import drain_parser, draining
 
 
@@ -108,20 +107,10 @@ def calls(args: argparse.Namespace) -> int:
     it writes its profile: its Python calls a task, by package."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "supervisor.prof"
-        original = profile_supervisor.command
-
-        def profiled(kind: str, queue: str, concurrency: int) -> list[str]:
-            argv = original(kind, queue, concurrency)
-            return [argv[0], "-m", "cProfile", "-o", str(out), *argv[1:]]
-
-        profile_supervisor.command = profiled
-        try:
-            with draining(args.broker, args.tasks, args.acks_early,
-                          stop=signal.SIGTERM) as (proc, counter):
-                time.sleep(args.seconds)
-                tasks = counter.stat().st_size
-        finally:
-            profile_supervisor.command = original
+        with draining(args.broker, args.tasks, args.acks_early, stop=signal.SIGTERM,
+                      python_args=("-m", "cProfile", "-o", str(out))) as (_, counter):
+            time.sleep(args.seconds)
+            tasks = counter.stat().st_size
         stats = pstats.Stats(str(out)).stats      # type: ignore[attr-defined]
     by_package: collections.Counter[str] = collections.Counter()
     for (path, _, _), (_, ncalls, _, _, _) in stats.items():

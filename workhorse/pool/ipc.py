@@ -25,7 +25,7 @@ import marshal
 import os
 import pickle
 import struct
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 _LEN = struct.Struct("!I")
 #: A child's frames are small (a Done's detail is bounded): a length beyond this is not a
@@ -118,13 +118,15 @@ _PICKLE = 0x80
 def encode(obj: object) -> bytes:
     kind = type(obj)
     if kind is Job or kind is Done:
+        fields = tuple(cast(tuple[Any, ...], obj))      # (marshal takes no subclass)
         try:
-            payload = marshal.dumps(tuple(obj))     # type: ignore[arg-type]
-        except ValueError:      # a value marshal does not carry (a datetime, a subclass:
-            # a str subclass costs pickle a Python-level reduce, ten times the frame's cost)
+            payload = marshal.dumps(fields)
+        except ValueError:
+            # A value marshal does not carry: a datetime; a str subclass, which pickle
+            # reduces in Python, at ten times the frame's cost (keep them out of jobs).
             # A Job still goes as a plain tuple (``decode`` makes it a Job again): a named
             # tuple is pickled through a Python call (__getnewargs__), at twice the cost.
-            payload = pickle.dumps(tuple(obj) if kind is Job else obj,  # type: ignore[arg-type]
+            payload = pickle.dumps(fields if kind is Job else obj,
                                    protocol=pickle.HIGHEST_PROTOCOL)
     else:
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
