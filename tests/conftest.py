@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +55,15 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str,
         if time.monotonic() >= deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def process_gone(pid: int) -> bool:
+    """No process ``pid``, or only its zombie. (Asked in one call: a process that exits
+    between "does it exist" and "what state is it in" is gone, not an error.)"""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def check_celery_results(app) -> None:  # type: ignore[no-untyped-def]

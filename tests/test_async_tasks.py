@@ -8,12 +8,11 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
 from workhorse.exceptions import TimeLimitExceeded, WorkerLostError
 
-from .conftest import BROKERS, BrokerEnv, broker_fixture, wait_until, worker_env
+from .conftest import BROKERS, BrokerEnv, broker_fixture, process_gone, wait_until, worker_env
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -107,8 +106,7 @@ def test_a_task_that_blocks_its_loop_is_killed_and_only_it_pays(aio, broker, sta
     first = wait_until(lambda: next((r for r in records(tmp_path) if r[0] == "block"), None),
                        60, "the blocking task to start")
     _, _, pid, started = first
-    wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie",
-               30, "the blocked child to be killed", interval=0.01)
+    wait_until(lambda: process_gone(pid), 30, "the blocked child to be killed", interval=0.01)
     killed_after = time.time() - started
     assert killed_after < 3 + 1
     for result in siblings:

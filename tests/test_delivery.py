@@ -21,7 +21,7 @@ from workhorse.exceptions import (
 )
 from workhorse.protocol import DELIVERIES_HEADER
 
-from .conftest import BROKERS, broker_fixture, runs, wait_until
+from .conftest import BROKERS, broker_fixture, process_gone, runs, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -220,8 +220,7 @@ def test_hard_limit_kills_what_the_task_started(broker, client, start_worker, tm
     result = sleeper.apply_async((1000,), time_limit=1)
     assert isinstance(failure(result), TimeLimitExceeded)
     grandchild = int((tmp_path / "grandchild.pid").read_text())
-    wait_until(lambda: not psutil.pid_exists(grandchild) or
-               psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE, 5,
+    wait_until(lambda: process_gone(grandchild), 5,
                "the task's `sleep 1000` to be killed")
 
 
@@ -246,8 +245,7 @@ def test_children_die_with_the_supervisor(broker, start_worker):
     os.kill(worker.pid, signal.SIGKILL)
 
     def gone() -> bool:
-        return all(not psutil.pid_exists(pid) or psutil.Process(pid).status() ==
-                   psutil.STATUS_ZOMBIE for pid in children)
+        return all(process_gone(pid) for pid in children)
     wait_until(gone, 5, "the children to die with their supervisor")
 
 

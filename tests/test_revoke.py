@@ -11,7 +11,6 @@ import sys
 import time
 import uuid
 
-import psutil
 import pytest
 
 from workhorse.backends import backend_from_url
@@ -21,7 +20,7 @@ from workhorse.control.commands import RevokeResult
 from workhorse.control.revoked import Revoked
 from workhorse.outcome import Action, Decision, Outcome, Policy, Store, decide
 
-from .conftest import ROOT, runs, wait_until, worker_env
+from .conftest import ROOT, process_gone, runs, wait_until, worker_env
 from .test_remote_control import celery_app
 
 pytestmark = pytest.mark.timeout(120)
@@ -300,8 +299,7 @@ def test_revoked_waiting_tasks_never_run_and_a_terminated_one_is_not_run_again(
                                         reply=True, timeout=5, destination=[hostname])
         assert replies[0][hostname] == {"ok": f"terminate: {running.id}"}
         wait_until(lambda: _state(client, running.id) == "REVOKED", 20, "REVOKED stored")
-        wait_until(lambda: not psutil.pid_exists(grandchild) or psutil.Process(
-            grandchild).status() == psutil.STATUS_ZOMBIE, 10, "the grandchild to be killed")
+        wait_until(lambda: process_gone(grandchild), 10, "the grandchild to be killed")
         # Everything is settled: nothing left on the queue, nothing held, nothing re-run.
         after = celery.send_task("tests.apps.basic.add", (2, 3))
         assert client.AsyncResult(after.id).get(timeout=30) == 5

@@ -22,7 +22,7 @@ from workhorse.broker.consumer import (
 from workhorse.exceptions import NotRegistered, ResultEncodeError, TaskRevokedError
 from workhorse.protocol import build_message
 
-from .conftest import runs, wait_until
+from .conftest import process_gone, runs, wait_until
 
 
 def publish_raw(broker, body, headers, content_type="application/json"):
@@ -148,7 +148,7 @@ def test_sigterm_stops_cleanly_and_children_go_with_it(broker, client, start_wor
     worker.signal(signal.SIGTERM)
     assert worker.wait_exit(30) == 0
     for pid in children:
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert process_gone(pid)
     assert "stopped" in worker.log()
 
 
