@@ -1,5 +1,6 @@
 """The supervisor's CPU a task taken apart: user and system time, context switches, and
-(with ``--syscalls``) the loop thread's system calls, each per task.
+(with ``--syscalls``) the loop thread's system calls, each per task; beside them the
+pool's CPU a task and how the machine's cores spent the same span (busy, idle, stolen).
 
     python benchmarks/supervisor_costs.py --broker redis [--acks-early] [--pin] [--syscalls]
     python benchmarks/supervisor_costs.py --broker redis --calls   # Python calls a task
@@ -60,12 +61,15 @@ def main() -> int:
             traced0 = counter.stat().st_size
             tracer = subprocess.Popen(["strace", "-c", "-o", str(trace), "-p", str(proc.pid)],
                                       stderr=subprocess.DEVNULL)
+        children = supervisor.children()
         done0, cpu0, ctx0 = (counter.stat().st_size, supervisor.cpu_times(),
                              supervisor.num_ctx_switches())
+        machine0, pool0 = psutil.cpu_times(), _cpu(children)
         started = time.monotonic()
         time.sleep(args.seconds)
         done1, cpu1, ctx1 = (counter.stat().st_size, supervisor.cpu_times(),
                              supervisor.num_ctx_switches())
+        machine1, pool1 = psutil.cpu_times(), _cpu(children)
         elapsed = time.monotonic() - started
         traced = 1
         if tracer is not None:
@@ -83,6 +87,9 @@ def main() -> int:
               f"system {(cpu1.system - cpu0.system) / tasks * 1e6:.1f} µs; context switches "
               f"a task: {(ctx1.voluntary - ctx0.voluntary) / tasks:.2f} voluntary, "
               f"{(ctx1.involuntary - ctx0.involuntary) / tasks:.2f} involuntary")
+        print(f"the pool's CPU a task: {(pool1 - pool0) / tasks * 1e6:.1f} µs; "
+              f"the machine meanwhile ({psutil.cpu_count()} cores): "
+              f"{_shares(machine0, machine1)}")
         if tracer is not None:
             print(f"the loop thread's system calls a task ({traced} tasks while strace was "
                   "attached; a call of its own may count for a task or two at either end):")
@@ -90,6 +97,31 @@ def main() -> int:
                 if count / traced >= 0.01:
                     print(f"  {count / traced:6.2f}  {name}")
     return 0
+
+
+def _cpu(processes: list[psutil.Process]) -> float:
+    """User and system CPU seconds of ``processes`` (one that is gone counts nothing)."""
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def _shares(before: object, after: object) -> str:
+    """How the machine's CPU time went between two ``psutil.cpu_times()``: busy, idle
+    (nothing to run: the pipeline waits) and stolen by the hypervisor."""
+    spent = {field: getattr(after, field) - getattr(before, field)
+             for field in after._fields}     # type: ignore[attr-defined]
+    total = sum(spent.values()) or 1.0
+    share = {field: 100 * value / total for field, value in spent.items()}
+    busy = 100 - share["idle"] - share.get("iowait", 0) - share.get("steal", 0)
+    return (f"busy {busy:.0f}% (user {share['user']:.0f}%, system {share['system']:.0f}%, "
+            f"softirq {share.get('softirq', 0):.0f}%), idle {share['idle']:.0f}%, "
+            f"iowait {share.get('iowait', 0):.0f}%, steal {share.get('steal', 0):.0f}%")
 
 
 def syscalls(summary: str) -> list[tuple[str, int]]:
