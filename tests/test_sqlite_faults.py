@@ -293,6 +293,35 @@ def test_tasks_sent_after_the_broker_file_is_deleted_run(tmp_path, start_worker,
     assert worker.proc.poll() is None
 
 
+def test_a_queue_that_cannot_be_declared_is_tried_again_then_raised_as_a_send_error(
+        tmp_path, monkeypatch):
+    """The queue's declaration, on a producer's first send to it, meets the file's
+    trouble (here an I/O error, as a file deleted a moment ago gives): it is tried again as
+    the publish is, and raised as kombu's OperationalError, as the publish's errors are."""
+    from workhorse.transport import sqlite as transport
+    broker = make_broker("sqlite", tmp_path)
+    app = _client(monkeypatch, worker_env(broker, tmp_path))
+    real_size, failures = transport.Channel._size, [1]
+
+    def size(channel: transport.Channel, queue: str) -> int:
+        if failures[0] > 0:
+            failures[0] -= 1
+            raise BrokerFileError(tmp_path, sqlite3.OperationalError("disk I/O error"))
+        return real_size(channel, queue)
+    monkeypatch.setattr(transport.Channel, "_size", size)
+    try:
+        app.send_task("tests.apps.basic.record")            # once in trouble: sent
+        assert failures == [0] and broker.queue_size() == 1
+        failures[0] = 1000
+        with pytest.raises(OperationalError, match="disk I/O error"):
+            app.send_task("tests.apps.basic.record", queue=broker.queue + "-other")
+        failures[0] = 0
+        app.send_task("tests.apps.basic.record", queue=broker.queue + "-other")
+        assert broker.queue_size(broker.queue + "-other") == 1
+    finally:
+        app.close()
+
+
 def _send_until_accepted(app: App, timeout: float) -> str:
     """Until the worker has left the deleted file (within a second), a new file at the path
     paired with the old one's -wal and -shm cannot be read: the producer is told, and

@@ -251,11 +251,17 @@ class App:
                 self._producer_connection = self.connection()
                 self._queues_ready = set()
             connection = self._producer_connection
-            if queue not in self._queues_ready:
-                connection.ensure_connection(**PUBLISH_RETRY_POLICY)
-                ensure_queue(connection, queue, self.queue_type(queue))
-                self._queues_ready.add(queue)
             try:
+                if queue not in self._queues_ready:
+                    connection.ensure_connection(**PUBLISH_RETRY_POLICY)
+
+                    def declare() -> None:
+                        ensure_queue(connection, queue, self.queue_type(queue))
+                    # Retried as the publish is, and raised as kombu's OperationalError in
+                    # the end, as the publish's errors are (a lost connection; the SQLite
+                    # file in trouble, as when it was deleted a moment ago).
+                    connection.ensure(connection, declare, **PUBLISH_RETRY_POLICY)()
+                    self._queues_ready.add(queue)
                 Producer(connection).publish(
                     body, exchange="", routing_key=queue, serializer="json", headers=headers,
                     priority=priority, delivery_mode=2, timeout=BROKER_TIMEOUT,
