@@ -89,12 +89,15 @@ def main() -> int:
 @contextlib.contextmanager
 def draining(broker: str, tasks: int, acks_early: bool = False, results: bool = False,
              stop: int | None = None, python_args: Sequence[str] = (),
+             prefix: Sequence[str] = (), root: Path | None = None, startup: float = 60.0,
              ) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     """A queue of ``tasks`` no-op tasks and ``workhorse worker`` (concurrency 2, prefetch
-    multiplier 4) draining it, once 200 are done: the worker's process and the file
-    that grows by a byte a task. Killed, and the queue dropped, on leaving (sent ``stop``
-    first and given a minute to exit, if given). ``python_args`` go to the interpreter
-    before the worker's module (``-m cProfile -o FILE``)."""
+    multiplier 4) draining it, once 200 are done (within ``startup`` seconds): the
+    worker's process and the file that grows by a byte a task. Killed, and the queue
+    dropped, on leaving (sent ``stop`` first and given a minute to exit, if given).
+    ``python_args`` go to the interpreter before the worker's module (``-m cProfile -o
+    FILE``), ``prefix`` before the interpreter (a program that runs it, as valgrind);
+    ``root``: the checkout whose workhorse runs (this one's by default)."""
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         url = BROKERS[broker] or f"sqlite:///{workdir / 'broker.sqlite3'}"
@@ -107,7 +110,8 @@ def draining(broker: str, tasks: int, acks_early: bool = False, results: bool = 
             store = ("redis://127.0.0.1:6379/4" if broker == "redis"
                      else f"sqlite:///{workdir / 'results.sqlite3'}")
         env = {k: v for k, v in os.environ.items() if not k.startswith("WORKHORSE_")}
-        env.update(PYTHONPATH=str(ROOT), BENCH_COUNTER=str(counter), WORKHORSE_BROKER_URL=url,
+        root = root or ROOT
+        env.update(PYTHONPATH=str(root), BENCH_COUNTER=str(counter), WORKHORSE_BROKER_URL=url,
                    WORKHORSE_RESULT_BACKEND=store, WORKHORSE_STATE_DIR=str(workdir / "state"),
                    WORKHORSE_PREFETCH_MULTIPLIER="4",
                    WORKHORSE_ACKS_LATE="false" if acks_early else "true")
@@ -115,10 +119,10 @@ def draining(broker: str, tasks: int, acks_early: bool = False, results: bool = 
             env["BENCH_RESULTS"] = store
         log = open(workdir / "worker.log", "wb")
         python, *worker = command("workhorse", queue, 2)
-        proc = subprocess.Popen([python, *python_args, *worker], cwd=ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([*prefix, python, *python_args, *worker], cwd=root, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + startup
             while counter.stat().st_size < 200:
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise RuntimeError("the worker did not start draining:\n"
