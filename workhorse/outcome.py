@@ -53,6 +53,22 @@ class Store(str, enum.Enum):
     MALFORMED = "malformed"          # FAILURE(MalformedMessage), under the id it gives
 
 
+# Reading an attribute of an Enum class (``Outcome.FAILED``) goes through the slow path of
+# EnumType.__getattr__ on Python 3.11: about 15 times the cost of reading a global. The
+# supervisor read some 60 a task, 8% of its instructions (benchmarks/instructions.py), so
+# the code every message passes through compares against members held in module names:
+# here, beside Stage (daemon/delivery.py), ChildState (pool/child.py) and in the modules
+# that read them. (Python 3.12 dropped that __getattr__; a member read there still costs
+# about three globals'.)
+_OUTCOMES = {outcome.value: outcome for outcome in Outcome}
+
+
+def outcome_of(value: str) -> Outcome:
+    """``Outcome(value)`` (a ValueError for a value that is none), without Enum's call."""
+    found = _OUTCOMES.get(value)
+    return found if found is not None else Outcome(value)
+
+
 @dataclass(frozen=True)
 class Policy:
     """The ack options in force for one task (task option, else configuration)."""
@@ -70,6 +86,12 @@ class Decision:
     store: Store = Store.NOTHING
 
 
+#: Outcomes that an ack settles, with nothing for the supervisor to store (acked at start:
+#: nothing at all to do). ``decide`` checks them first.
+_PLAIN = (Outcome.SUCCEEDED, Outcome.RETRY, Outcome.IGNORED, Outcome.ALREADY_DONE)
+_ACK, _NO_ACTION = Decision(Action.ACK), Decision(Action.NONE)
+
+
 def decide(outcome: Outcome, policy: Policy, *, started: bool, deliveries: int = 0) -> Decision:
     """How to settle ``outcome``.
 
@@ -77,6 +99,8 @@ def decide(outcome: Outcome, policy: Policy, *, started: bool, deliveries: int =
     ``deliveries``: the message's delivery count, this delivery included; a counted
     requeue that would allow more than ``max_deliveries`` deliveries dead-letters instead.
     """
+    if outcome in _PLAIN:       # (nearly every task: first, and no Decision made)
+        return _ACK if policy.acks_late or not started else _NO_ACTION
     if outcome is Outcome.MALFORMED:
         # Even when acked at start, a copy goes to the dead-letter queue: never a silent loss.
         # The supervisor stores the failure wherever the message was found malformed (the
@@ -98,8 +122,6 @@ def decide(outcome: Outcome, policy: Policy, *, started: bool, deliveries: int =
                  Outcome.SHUTDOWN_KILLED: Store.WORKER_LOST,
                  Outcome.SIBLING_LOST: Store.WORKER_LOST}.get(outcome, Store.NOTHING)
         return Decision(Action.NONE if started else Action.ACK, store)
-    if outcome in (Outcome.SUCCEEDED, Outcome.RETRY, Outcome.IGNORED, Outcome.ALREADY_DONE):
-        return Decision(Action.ACK)
     if outcome in (Outcome.CLAIMED_ELSEWHERE, Outcome.NOT_RUN):
         # The supervisor holds such a message and tries again later; settled, it would
         # be given back uncounted (it did not run).

@@ -21,6 +21,13 @@ class Stage(str, enum.Enum):
     SETTLED = "settled"
 
 
+# Each stage as a module name too, for the code every message passes through (Holding): an
+# Enum class's attribute is read through EnumType.__getattr__ on Python 3.11 (see
+# workhorse/outcome.py).
+NEW, BUFFERED, SCHEDULED, ACKING, RUNNING, STORING, SETTLED = (
+    Stage.NEW, Stage.BUFFERED, Stage.SCHEDULED, Stage.ACKING, Stage.RUNNING, Stage.STORING,
+    Stage.SETTLED)
+
 @dataclass(eq=False, slots=True)
 class Delivery:
     seq: int

@@ -18,7 +18,8 @@ from typing import Any
 from kombu.message import Message
 
 from ..pool.child import InvalidTransition
-from .delivery import Delivery, Stage
+from .delivery import (ACKING, BUFFERED, NEW, RUNNING, SCHEDULED, SETTLED, STORING, Delivery,
+                       Stage)
 
 
 def windows(size: int, prefetch_multiplier: int, async_concurrency: int,
@@ -140,8 +141,8 @@ class Holding:
     # ------------------------------------------------------------------ transitions
     def buffer_last(self, delivery: Delivery) -> None:
         """A new message waits for an idle child, behind the others."""
-        self._leave(delivery, Stage.NEW)
-        delivery.stage = Stage.BUFFERED
+        self._leave(delivery, NEW)
+        delivery.stage = BUFFERED
         self.buffer.append(delivery)
         self.held_async += delivery.asynchronous
         self.buffered_async += delivery.asynchronous
@@ -149,8 +150,8 @@ class Holding:
     def buffer_first(self, delivery: Delivery) -> None:
         """Its time has come (ETA reached), its ack at start is done, or a child could not
         take it: first in line."""
-        self._leave(delivery, Stage.NEW, Stage.SCHEDULED, Stage.RUNNING, Stage.ACKING)
-        delivery.stage = Stage.BUFFERED
+        self._leave(delivery, NEW, SCHEDULED, RUNNING, ACKING)
+        delivery.stage = BUFFERED
         self.buffer.appendleft(delivery)
         self.held_async += delivery.asynchronous
         self.buffered_async += delivery.asynchronous
@@ -169,42 +170,40 @@ class Holding:
                 return None
             self.buffer.remove(found)
             delivery = found
-        delivery.stage = Stage.NEW
+        delivery.stage = NEW
         self.held_async -= delivery.asynchronous
         self.buffered_async -= delivery.asynchronous
         return delivery
 
     def schedule(self, delivery: Delivery) -> None:
         """Wait for its ETA, or to be looked at again (its ``timer`` is set by the caller)."""
-        self._leave(delivery, Stage.NEW, Stage.RUNNING, Stage.ACKING)
-        delivery.stage = Stage.SCHEDULED
+        self._leave(delivery, NEW, RUNNING, ACKING)
+        delivery.stage = SCHEDULED
         self.scheduled.add(delivery)
 
     def ack_at_start(self, delivery: Delivery) -> None:
         """acks_late = false: its ack is on its way to the broker; it starts once done."""
-        self._leave(delivery, Stage.NEW)
-        delivery.stage = Stage.ACKING
+        self._leave(delivery, NEW)
+        delivery.stage = ACKING
         self.acking.add(delivery)
         self.held_async += delivery.asynchronous
 
     def start(self, delivery: Delivery) -> None:
-        self._leave(delivery, Stage.NEW)
-        delivery.stage = Stage.RUNNING
+        self._leave(delivery, NEW)
+        delivery.stage = RUNNING
         self.running.add(delivery)
         self.held_async += delivery.asynchronous
 
     def store(self, delivery: Delivery) -> None:
         """Over; held until its result is stored (a retry timer is set by the caller)."""
-        self._leave(delivery, Stage.NEW, Stage.RUNNING, Stage.STORING, Stage.BUFFERED,
-                    Stage.SCHEDULED)
-        delivery.stage = Stage.STORING
+        self._leave(delivery, NEW, RUNNING, STORING, BUFFERED, SCHEDULED)
+        delivery.stage = STORING
         self.storing.add(delivery)
 
     def settle(self, delivery: Delivery) -> None:
         """Acked, requeued, dead-lettered, handed back or left to the broker: not ours."""
-        self._leave(delivery, Stage.NEW, Stage.BUFFERED, Stage.SCHEDULED, Stage.ACKING,
-                    Stage.RUNNING, Stage.STORING)
-        delivery.stage = Stage.SETTLED
+        self._leave(delivery, NEW, BUFFERED, SCHEDULED, ACKING, RUNNING, STORING)
+        delivery.stage = SETTLED
 
     def take_waiting(self) -> list[Delivery]:
         """Warm shutdown, or a connection that took them back: every buffered and scheduled
@@ -221,19 +220,19 @@ class Holding:
             raise InvalidTransition(
                 f"{delivery.label} is {stage.value}, expected "
                 f"{' or '.join(s.value for s in expected)}")
-        if stage is Stage.BUFFERED:
+        if stage is BUFFERED:
             self.buffer.remove(delivery)
             self.held_async -= delivery.asynchronous
             self.buffered_async -= delivery.asynchronous
-        elif stage is Stage.SCHEDULED:
+        elif stage is SCHEDULED:
             self.scheduled.discard(delivery)
-        elif stage is Stage.RUNNING:
+        elif stage is RUNNING:
             self.running.discard(delivery)
             self.held_async -= delivery.asynchronous
-        elif stage is Stage.ACKING:
+        elif stage is ACKING:
             self.acking.discard(delivery)
             self.held_async -= delivery.asynchronous
-        elif stage is Stage.STORING:
+        elif stage is STORING:
             self.storing.discard(delivery)
         if delivery.timer is not None:      # its ETA, recheck or store-retry timer
             delivery.timer.cancel()

@@ -39,6 +39,9 @@ from .holding import Holding
 if TYPE_CHECKING:
     from .loop import Loop
 
+# Read for every task (see workhorse/outcome.py on Enum attributes).
+_SIBLING_LOST, _NOTHING, _ACK = Outcome.SIBLING_LOST, Store.NOTHING, Action.ACK
+
 log = logging.getLogger("workhorse.supervisor")
 
 
@@ -65,7 +68,7 @@ class Settlement:
         can store, then ack, requeue or dead-letter. Never lets an error escape."""
         decision = decide(outcome, delivery.policy, started=delivery.started,
                           deliveries=delivery.deliveries)
-        if outcome is Outcome.SIBLING_LOST and delivery.acked:
+        if outcome is _SIBLING_LOST and delivery.acked:
             log.error("%s: lost: %s, and it was acked when it started (acks_late = false); "
                       "FAILURE(WorkerLostError) stored, not run again", delivery.label, detail)
         if self.events.on:
@@ -78,7 +81,7 @@ class Settlement:
 
     def _store_then_settle(self, delivery: Delivery, outcome: Outcome, decision: Decision,
                            detail: str | None, attempt: int) -> None:
-        if (decision.store is not Store.NOTHING
+        if (decision.store is not _NOTHING
                 and getattr(self.current.app.backend, "calls_block", False)):
             self._store_apart(delivery, outcome, decision, detail, attempt)
             return
@@ -150,7 +153,7 @@ class Settlement:
         self.holding.settle(delivery)
         message, queue = delivery.message, delivery.queue
         try:
-            if decision.action is Action.ACK and not delivery.acked:
+            if decision.action is _ACK and not delivery.acked:
                 self.broker.ack(message)
             elif decision.action is Action.REQUEUE:
                 self.broker.requeue(queue, message)
@@ -249,7 +252,7 @@ class Settlement:
     # ------------------------------------------------------------------ results
     def _store(self, delivery: Delivery, decision: Decision, detail: str | None) -> None:
         """Write the results only the supervisor can write (the child is gone or never ran)."""
-        if decision.store is Store.NOTHING:
+        if decision.store is _NOTHING:
             return
         request = delivery.request
         task_id = request.id

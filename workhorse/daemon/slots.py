@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..outcome import Outcome
-from ..pool.child import Child, ChildState, ProcessHandle, Running, describe_exit
+from ..pool.child import (EXITED, IDLE, SPAWNING, STOPPING, Child, ProcessHandle, Running,
+                          describe_exit)
 from ..pool.ipc import Cancel, Claimed, Corrupt, Done, Hello, Job
 from ..pool.limits import SOFT_LIMIT_SIGNAL
 from . import systemd
@@ -25,6 +26,8 @@ from .system import RuntimeFactory
 
 if TYPE_CHECKING:
     from .loop import Loop, Timer
+
+_TERMINATED = Outcome.TERMINATED      # (read for every job: see workhorse/outcome.py)
 
 log = logging.getLogger("workhorse.supervisor")
 
@@ -134,12 +137,12 @@ class Slots:
         """The live children (not yet reaped)."""
         for slot in list(self.slots.values()):
             child = slot.child
-            if child is not None and child.state is not ChildState.EXITED:
+            if child is not None and child.state is not EXITED:
                 yield child
 
     def idle(self) -> Iterator[Child]:
         for child in self.children():
-            if child.state is ChildState.IDLE:
+            if child.state is IDLE:
                 yield child
 
     @property
@@ -211,7 +214,7 @@ class Slots:
         self.slots[child.index].crashes = 0
         self.events.job_done(running.delivery, done)
         delivery: Delivery = running.delivery
-        if child.kill_reason is Outcome.TERMINATED:
+        if child.kill_reason is _TERMINATED:
             # Its task finished although it was told to terminate (it handled the signal,
             # or ended first): its own result stands, and the child goes as it was told.
             log.warning("%s: finished although revoked with terminate; its result stands",
@@ -249,7 +252,7 @@ class Slots:
         if not child.handle.at_eof:
             self.on_readable(child)     # what it wrote before dying (Done, Claimed)
         killed = child.kill_detail is not None or child.kill_reason is not None
-        expected = child.state is ChildState.STOPPING and not killed
+        expected = child.state is STOPPING and not killed
         # Whose code ran as it died, where it ran async jobs (read before the handle,
         # and with it the heart, is closed).
         heart = getattr(child.handle, "heart", None)
@@ -349,7 +352,7 @@ class Slots:
         for child in list(self.idle()):
             self.maybe_recycle(child)
         for child in list(self.children()):
-            if child.state is ChildState.SPAWNING:
+            if child.state is SPAWNING:
                 child.stop()
 
     def resize(self, size: int) -> None:
@@ -376,10 +379,10 @@ class Slots:
         slot.retiring = True
         slot.cancel_respawn()
         child = slot.child
-        if child is None or child.state is ChildState.EXITED:
+        if child is None or child.state is EXITED:
             del self.slots[slot.index]
             log.info("pool shrunk to %d children", self.size)
-        elif child.state in (ChildState.IDLE, ChildState.SPAWNING):
+        elif child.state in (IDLE, SPAWNING):
             child.stop()
 
     def maybe_recycle(self, child: Child) -> None:
@@ -585,7 +588,7 @@ class Slots:
         for slot in self.slots.values():
             slot.cancel_respawn()
         for child in list(self.children()):
-            if child.state in (ChildState.IDLE, ChildState.SPAWNING):
+            if child.state in (IDLE, SPAWNING):
                 child.stop()
 
     def kill_all(self, why: str) -> None:
@@ -611,5 +614,5 @@ class Slots:
 
 def _retire_order(slot: Slot) -> tuple[bool, int]:
     """Retire slots with no live child first, then the highest numbered."""
-    alive = slot.child is not None and slot.child.state is not ChildState.EXITED
+    alive = slot.child is not None and slot.child.state is not EXITED
     return (not alive, slot.index)

@@ -34,7 +34,7 @@ from ..backends import RetryPolicy
 from ..config import Settings
 from ..control.events import Clock
 from ..control.inspect import TaskInfo, WorkerView
-from ..outcome import Outcome
+from ..outcome import Outcome, outcome_of
 from ..pool.ipc import Done
 from ..pool.runtime import ChildRuntime
 from ..protocol import HELD_LOSSES_HEADER
@@ -102,6 +102,11 @@ class Phase(str, enum.Enum):
     WARM = "warm shutdown"     # no new work; running tasks finish
     COLD = "cold shutdown"     # running tasks are killed
     STOPPED = "stopped"
+
+
+# Read for every task (see workhorse/outcome.py on Enum attributes).
+_RUNNING, _WARM, _COLD, _STOPPED = Phase.RUNNING, Phase.WARM, Phase.COLD, Phase.STOPPED
+_NOT_RUN, _CLAIMED_ELSEWHERE = Outcome.NOT_RUN, Outcome.CLAIMED_ELSEWHERE
 
 
 class Supervisor:
@@ -246,7 +251,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ running
     def _accepting(self) -> bool:
-        return self.phase is Phase.RUNNING
+        return self.phase is _RUNNING
 
     def _changed(self) -> None:
         """Something held changed: the broker's credit and the broker thread's room follow."""
@@ -281,7 +286,7 @@ class Supervisor:
                 service.start(self.loop)
             self._serve_metrics()
             systemd.notify(f"READY=1\nSTATUS=connecting to the broker at {self.link.where}")
-            while self.phase is not Phase.STOPPED:
+            while self.phase is not _STOPPED:
                 self._changed()
                 self.loop.run_once()
                 self._after_events()
@@ -645,9 +650,8 @@ class Supervisor:
         self.processed += 1
         if self.metrics is not None and done.runtime is not None:
             self.metrics.ran(delivery.request.task, done.runtime)
-        outcome = Outcome(done.outcome)
-        if outcome is Outcome.NOT_RUN or (outcome is Outcome.CLAIMED_ELSEWHERE
-                                          and not delivery.acked):
+        outcome = outcome_of(done.outcome)
+        if outcome is _NOT_RUN or (outcome is _CLAIMED_ELSEWHERE and not delivery.acked):
             self._recheck_later(delivery)
         else:
             self.settlement.settle(delivery, outcome, done.detail)
@@ -781,7 +785,7 @@ class Supervisor:
         self._maybe_stopped()
 
     def _maybe_stopped(self) -> None:
-        if self.phase not in (Phase.WARM, Phase.COLD):
+        if self.phase is not _WARM and self.phase is not _COLD:
             return
         self._accept_received()      # arrived while stopping: each goes back to its queue
         if self.slots.all_exited():

@@ -26,6 +26,11 @@ class ChildState(str, enum.Enum):
     EXITED = "exited"
 
 
+# The states as module names too, read for every job (see workhorse/outcome.py).
+SPAWNING, IDLE, BUSY, STOPPING, EXITED = (ChildState.SPAWNING, ChildState.IDLE,
+                                          ChildState.BUSY, ChildState.STOPPING,
+                                          ChildState.EXITED)
+
 class InvalidTransition(RuntimeError):
     pass
 
@@ -94,7 +99,7 @@ class Child:
         self.handle = handle
         self.pid = handle.pid
         self.spawned_at = spawned_at
-        self.state = ChildState.SPAWNING
+        self.state = SPAWNING
         self.booted = False                  # said Hello: it got through its setup
         self.jobs: dict[int, Running] = {}   # by seq, while BUSY
         self.asynchronous = False            # its jobs are async ones (while BUSY)
@@ -164,28 +169,28 @@ class Child:
     # -- transitions
     def on_hello(self) -> None:
         """The child is set up. One told to stop while starting stays stopping."""
-        self._expect(ChildState.SPAWNING, ChildState.STOPPING)
+        self._expect(SPAWNING, STOPPING)
         self.booted = True
-        if self.state is ChildState.SPAWNING:
-            self.state = ChildState.IDLE
+        if self.state is SPAWNING:
+            self.state = IDLE
 
     def takes_async(self, limit: int) -> bool:
         """May it be given one more async job, with ``limit`` of them at once?"""
-        if self.state is ChildState.IDLE:
+        if self.state is IDLE:
             return True
-        return (self.state is ChildState.BUSY and self.asynchronous and not self.draining
+        return (self.state is BUSY and self.asynchronous and not self.draining
                 and not self.reserved and len(self.jobs) < limit)
 
     def assign(self, job: Any, frame: Job, now: float) -> Running:
         """Hand it a job: a sync one when it is idle, an async one when it is idle or runs
         async ones."""
-        idle = self.state is ChildState.IDLE
+        idle = self.state is IDLE
         if not idle and not (frame.asynchronous and self.asynchronous
-                             and self.state is ChildState.BUSY):
-            self._expect(ChildState.IDLE)
+                             and self.state is BUSY):
+            self._expect(IDLE)
         self.handle.send(frame)
         if idle:
-            self.state = ChildState.BUSY
+            self.state = BUSY
             self.asynchronous = frame.asynchronous
             if frame.asynchronous:
                 self.beats = (self.beats[0], now)    # a loop that starts now: not blocked
@@ -196,18 +201,18 @@ class Child:
     def on_done(self, seq: int, rss: int) -> Running:
         """Job ``seq`` finished; return its record (its limit timers are the caller's to
         cancel)."""
-        self._expect(ChildState.BUSY)
+        self._expect(BUSY)
         running = self.jobs.pop(seq)
         if not self.jobs:
-            self.state = ChildState.IDLE
+            self.state = IDLE
             self.asynchronous = False
         self.tasks_done += 1
         self.rss = rss
         return running
     def stop(self) -> None:
         """Ask an idle (or still starting) child to exit."""
-        self._expect(ChildState.IDLE, ChildState.SPAWNING)
-        self.state = ChildState.STOPPING
+        self._expect(IDLE, SPAWNING)
+        self.state = STOPPING
         try:
             self.handle.send(Stop())
         except BrokenPipeError:
@@ -218,20 +223,20 @@ class Child:
         """SIGKILL the child and everything it started; its jobs are settled on exit. The
         first reason given is the one reported; ``culprit``: the job it is killed for,
         where it runs several."""
-        self._expect(ChildState.SPAWNING, ChildState.IDLE, ChildState.BUSY, ChildState.STOPPING)
+        self._expect(SPAWNING, IDLE, BUSY, STOPPING)
         if self.kill_reason is None and self.kill_detail is None:
             self.kill_reason = reason
             self.kill_detail = detail
             self.culprit = culprit
         self.handle.kill_tree()
-        if self.state is not ChildState.BUSY:
-            self.state = ChildState.STOPPING
+        if self.state is not BUSY:
+            self.state = STOPPING
 
     def terminate(self, reason: Any, detail: str, sig: int) -> None:
         """Send ``sig`` to the busy child and everything it started (a revoke with
         terminate); if it dies of it, its job is settled as ``reason``. One that survives
         it is killed once its job is over, or sooner: see ``Slots.terminate``."""
-        self._expect(ChildState.BUSY)
+        self._expect(BUSY)
         if self.kill_reason is None and self.kill_detail is None:
             self.kill_reason = reason
             self.kill_detail = detail
@@ -239,16 +244,16 @@ class Child:
 
     def on_exit(self, code: int) -> list[Running]:
         """The process is gone; return the jobs it held, in the order they started."""
-        self._expect(ChildState.SPAWNING, ChildState.IDLE, ChildState.BUSY, ChildState.STOPPING)
+        self._expect(SPAWNING, IDLE, BUSY, STOPPING)
         jobs, self.jobs = list(self.jobs.values()), {}
-        self.state = ChildState.EXITED
+        self.state = EXITED
         self.exitcode = code
         self.handle.close()
         return jobs
 
     @property
     def busy(self) -> bool:
-        return self.state is ChildState.BUSY
+        return self.state is BUSY
 
     @property
     def name(self) -> str:
