@@ -225,15 +225,17 @@ def parse_request(headers: Mapping[str, Any] | None) -> Request:
     limits = headers.get("timelimit") or (None, None)
     if not isinstance(limits, (list, tuple)) or len(limits) != 2:
         raise MalformedMessage(f"header 'timelimit' must be [hard, soft], not {limits!r}")
-    hard = _optional_number(limits[0], "timelimit[0] (hard)")
-    soft = _optional_number(limits[1], "timelimit[1] (soft)")
+    # (None, the usual value of each, is read here: no call for it)
+    hard = None if limits[0] is None else _optional_number(limits[0], "timelimit[0] (hard)")
+    soft = None if limits[1] is None else _optional_number(limits[1], "timelimit[1] (soft)")
     group_index = headers.get("group_index")
+    eta, expires = headers.get("eta"), headers.get("expires")
     return Request(
         id=task_id,
         task=task,
         retries=retries,
-        eta=parse_datetime(headers.get("eta"), "eta"),
-        expires=parse_datetime(headers.get("expires"), "expires"),
+        eta=None if eta is None else parse_datetime(eta, "eta"),
+        expires=None if expires is None else parse_datetime(expires, "expires"),
         time_limit=hard,
         soft_time_limit=soft,
         root_id=headers.get("root_id") or task_id,

@@ -36,15 +36,19 @@ class Loop:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.selector = selectors.DefaultSelector()
+        #: fd -> its key, as registered: looked up for every event (``dispatch``), where the
+        #: selector's own mapping costs four Python calls a lookup.
+        self._keys: dict[int, selectors.SelectorKey] = {}
         self._timers: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
         self._before_wait: list[Callback] = []
 
     # -- readers
     def add_reader(self, fd: int, callback: Callback) -> None:
-        self.selector.register(fd, selectors.EVENT_READ, callback)
+        self._keys[fd] = self.selector.register(fd, selectors.EVENT_READ, callback)
 
     def remove_reader(self, fd: int) -> None:
+        self._keys.pop(fd, None)
         try:
             self.selector.unregister(fd)
         except (KeyError, ValueError):
@@ -52,7 +56,7 @@ class Loop:
 
     def add_writer(self, fd: int, callback: Callback) -> None:
         """Call ``callback`` whenever ``fd`` can be written (a fd the loop does not read)."""
-        self.selector.register(fd, selectors.EVENT_WRITE, callback)
+        self._keys[fd] = self.selector.register(fd, selectors.EVENT_WRITE, callback)
 
     def remove_writer(self, fd: int) -> None:
         self.remove_reader(fd)
@@ -116,7 +120,7 @@ class Loop:
 
     def dispatch(self, events: list[tuple[selectors.SelectorKey, int]]) -> None:
         """Run the readers of ``events``, then the timers that are due."""
-        registered = self.selector.get_map()
+        registered = self._keys
         for key, _mask in events:
             # A callback earlier in this batch may have removed this reader (a child reaped)
             # or put another in its place on the same fd number: skip stale events.

@@ -18,7 +18,10 @@ SOFT_LIMIT_SIGNAL = signal.SIGUSR1
 def effective_limit(*candidates: float | None) -> float | None:
     """The first limit that is set, in precedence order: message header (which carries the
     call's ``apply_async`` options) > task decorator > configuration."""
-    return next((c for c in candidates if c is not None), None)
+    for candidate in candidates:
+        if candidate is not None:
+            return candidate
+    return None
 
 
 class SoftLimit:

@@ -221,6 +221,19 @@ class QoS(redis.QoS):
         self._counted: set[str] = set()
         #: Leases of other consumers (not workhorse workers) the sweep has logged.
         self._foreign_seen: set[str] = set()
+        #: score -> its text for the scripts (``score_text``).
+        self._score_texts: dict[float, str] = {}
+
+    def score_text(self, score: float) -> str:
+        """``repr(score)``, as the scripts compare it: made once a take rather than once
+        for every message acked (a float's repr costs as much as a dozen dict lookups)."""
+        texts = self._score_texts
+        text = texts.get(score)
+        if text is None:
+            if len(texts) >= 64:
+                texts.clear()
+            text = texts[score] = repr(score)
+        return text
 
     def append(self, message: Any, delivery_tag: str) -> None:
         if delivery_tag in self._taken:    # recorded (and counted) by the script that took it
@@ -398,7 +411,7 @@ class QoS(redis.QoS):
             if score is None:
                 lost.append(tag)
             else:
-                args += (tag, repr(score))
+                args += (tag, self.score_text(score))
         return args, lost
 
     def _acked(self, tags: Sequence[str], lost: Sequence[str]) -> None:
@@ -623,12 +636,13 @@ class Channel(redis.Channel):
         if not queues and not acks:
             return None
         lists = self.list_keys(queues)
-        pairs, lost = self.qos._ours(acks)
+        qos = self.qos
+        pairs, lost = qos._ours(acks)
         score = time()
         return _TakeCall(acks, lost, lists, score,
                          (self.unacked_index_key, self.unacked_key, self.delivery_counts_key,
                           self.lease_owners_key, *lists),
-                         (repr(score), min(limit, self.MAX_TAKE) if lists else 0,
+                         (qos.score_text(score), min(limit, self.MAX_TAKE) if lists else 0,
                           self.lease_owner, len(pairs) // 2, *pairs))
 
     def _take_reply(self, call: _TakeCall, reply: Any, bury_later: bool = False) -> int:
