@@ -21,7 +21,7 @@ from ..ratelimit import RateLimits
 from ..broker.port import BrokerPort
 from ..transport.backlog import sent_at
 from .current import Current
-from .delivery import Delivery, Stage
+from .delivery import ACKING, Delivery, Stage
 from .events import TaskEvents
 from .holding import Holding
 from .intake import Intake
@@ -276,7 +276,7 @@ class Dispatch:
 
     def _acked(self, delivery: Delivery, error: BaseException | None) -> None:
         """The broker thread's answer to an ack at start (on the loop thread)."""
-        if delivery.stage is not Stage.ACKING:
+        if delivery.stage is not ACKING:
             return
         if error is None:
             delivery.acked = True

@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from .loop import Loop
 
 # Read for every task (see workhorse/outcome.py on Enum attributes).
-_SIBLING_LOST, _NOTHING, _ACK = Outcome.SIBLING_LOST, Store.NOTHING, Action.ACK
+_SIBLING_LOST, _NOTHING = Outcome.SIBLING_LOST, Store.NOTHING
+_ACK, _NO_ACTION = Action.ACK, Action.NONE
 
 log = logging.getLogger("workhorse.supervisor")
 
@@ -152,21 +153,23 @@ class Settlement:
         """Ack, requeue or dead-letter with the broker; the delivery is ours no longer."""
         self.holding.settle(delivery)
         message, queue = delivery.message, delivery.queue
+        action = decision.action
         try:
-            if decision.action is _ACK and not delivery.acked:
-                self.broker.ack(message)
-            elif decision.action is Action.REQUEUE:
+            if action is _ACK or action is _NO_ACTION:     # (nearly every task)
+                if action is _ACK and not delivery.acked:
+                    self.broker.ack(message)
+            elif action is Action.REQUEUE:
                 self.broker.requeue(queue, message)
-            elif decision.action is Action.REQUEUE_COUNTED:
+            elif action is Action.REQUEUE_COUNTED:
                 log.warning("%s: %s; requeued (started %d of at most %d times)", delivery.label,
                             detail, delivery.deliveries, delivery.policy.max_deliveries)
                 self.broker.requeue_counted(queue, message, delivery.deliveries)
-            elif decision.action is Action.REQUEUE_HELD_LOSS:
+            elif action is Action.REQUEUE_HELD_LOSS:
                 log.info("%s: %s; requeued, not charged a delivery (held losses: %d of "
                          "at most %d)", delivery.label, detail, delivery.held_losses + 1,
                          self.current.settings.max_held_losses)
                 self.broker.requeue_held_loss(queue, message)
-            elif decision.action is Action.DEAD_LETTER:
+            elif action is Action.DEAD_LETTER:
                 reason = f"{outcome.value}: {detail}" if detail else outcome.value
                 log.error("%s: dead-lettered to %s.dead: %s", delivery.label, queue, reason)
                 self.broker.dead_letter(queue, message, reason, delivery.request.id,
