@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from workhorse.outcome import Action, Decision, Outcome, Policy, Store, decide
+from workhorse.outcome import Action, Decision, Outcome, Policy, Store, decide, outcome_of
 
 DEFAULT = Policy()
 EARLY = Policy(acks_late=False)
@@ -30,6 +30,10 @@ EARLY = Policy(acks_late=False)
     (Outcome.CONTINUATION_FAILED, EARLY, Decision(Action.NONE)),
     (Outcome.ALREADY_DONE, DEFAULT, Decision(Action.ACK)),
     (Outcome.ALREADY_DONE, EARLY, Decision(Action.NONE)),
+    (Outcome.RETRY, DEFAULT, Decision(Action.ACK)),
+    (Outcome.RETRY, EARLY, Decision(Action.NONE)),
+    (Outcome.IGNORED, DEFAULT, Decision(Action.ACK)),
+    (Outcome.IGNORED, EARLY, Decision(Action.NONE)),
     (Outcome.CLAIMED_ELSEWHERE, DEFAULT, Decision(Action.REQUEUE)),
     (Outcome.CLAIMED_ELSEWHERE, EARLY, Decision(Action.NONE)),
 ])
@@ -44,6 +48,21 @@ def test_outcomes_before_start_do_not_depend_on_ack_mode(policy):
     assert decide(Outcome.EXPIRED, policy, started=False) == Decision(Action.ACK, Store.REVOKED)
     assert decide(Outcome.TOO_MANY_DELIVERIES, policy, started=False) == Decision(
         Action.DEAD_LETTER, Store.TOO_MANY)
+
+
+@pytest.mark.parametrize("outcome", [Outcome.SUCCEEDED, Outcome.RETRY, Outcome.IGNORED,
+                                     Outcome.ALREADY_DONE])
+@pytest.mark.parametrize("policy", [DEFAULT, EARLY])
+def test_a_plain_outcome_never_started_is_acked_in_both_modes(outcome, policy):
+    """Not acked at start (it never reached a child): an ack settles it, whatever the mode."""
+    assert decide(outcome, policy, started=False) == Decision(Action.ACK)
+
+
+def test_a_dones_outcome_is_read_as_the_enum_reads_it():
+    for outcome in Outcome:
+        assert outcome_of(outcome.value) is outcome
+    with pytest.raises(ValueError, match="not a valid Outcome"):
+        outcome_of("exploded")
 
 
 @pytest.mark.parametrize("policy", [DEFAULT, EARLY])

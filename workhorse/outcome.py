@@ -55,7 +55,7 @@ class Store(str, enum.Enum):
 
 # Reading an attribute of an Enum class (``Outcome.FAILED``) goes through the slow path of
 # EnumType.__getattr__ on Python 3.11: about 15 times the cost of reading a global. The
-# supervisor read some 60 a task, 8% of its instructions (benchmarks/instructions.py), so
+# supervisor read some 60 a task, 9% of its instructions (benchmarks/instructions.py), so
 # the code every message passes through compares against members held in module names:
 # here, beside Stage (daemon/delivery.py), ChildState (pool/child.py) and in the modules
 # that read them. (Python 3.12 dropped that __getattr__; a member read there still costs

@@ -181,7 +181,7 @@ class Intake:
         """Settle ``delivery`` as REVOKED if it expired or was revoked (not started)."""
         if self.expired(delivery):
             return True
-        if not self.revoked:        # (nearly always: no call)
+        if not self.revoked:        # (nearly always: match is not called)
             return False
         reason = self.revoked.match(delivery.request.id, delivery.request.headers)
         if reason is None:

@@ -31,6 +31,7 @@ SPAWNING, IDLE, BUSY, STOPPING, EXITED = (ChildState.SPAWNING, ChildState.IDLE,
                                           ChildState.BUSY, ChildState.STOPPING,
                                           ChildState.EXITED)
 
+
 class InvalidTransition(RuntimeError):
     pass
 
