@@ -572,9 +572,12 @@ class BrokerConsumer:
                 more = self._ack_batch(channel, combined, messages, numbers, errors)
                 combined = None
             else:
-                batch = getattr(getattr(channel, "qos", None), "ack_many", None)
-                self._ack_batch(channel, batch if len(numbers) > 1 else None, messages,
-                                numbers, errors)
+                # RabbitMQ: the frames of every ack written at once; Redis and SQLite:
+                # several acks in one round trip.
+                batch = getattr(channel, "ack_tags", None)
+                if batch is None and len(numbers) > 1:
+                    batch = getattr(getattr(channel, "qos", None), "ack_many", None)
+                self._ack_batch(channel, batch, messages, numbers, errors)
         if fetch and more and self.connected:
             self.poll()
         return errors

@@ -14,10 +14,16 @@ from __future__ import annotations
 
 import errno
 import logging
+import struct
+from collections.abc import Sequence
 from typing import Any
 
 from amqp import spec
-from amqp.exceptions import ConnectionError as AMQPConnectionError, MessageNacked
+from amqp.exceptions import (
+    ConnectionError as AMQPConnectionError,
+    MessageNacked,
+    RecoverableConnectionError,
+)
 from amqp.transport import TCPTransport
 from kombu.exceptions import OperationalError
 from kombu.transport import pyamqp
@@ -32,6 +38,9 @@ CONFIRM_TIMEOUT = 10.0
 _MAX_PENDING = 100
 #: Bytes asked of the socket at a time (see ReadAheadTransport).
 READ_AHEAD = 65536
+#: A ``basic.ack`` method frame: frame type 1, channel, payload size 13, class 60 and
+#: method 80 (``basic.ack``), the delivery tag, the ``multiple`` bit, the frame-end octet.
+_ACK_FRAME = struct.Struct(">BHIHHQBB")
 
 
 class BrokerBlocked(OperationalError):
@@ -63,6 +72,25 @@ class Channel(pyamqp.Channel):
         return Backlog(ready, None, consumers)
 
     basic_publish = _basic_publish
+
+    def ack_tags(self, tags: Sequence[int]) -> None:
+        """Ack each delivery in ``tags`` (``basic.ack``, ``multiple`` false: one frame
+        each, exactly as ``basic_ack`` sends them) in one write to the socket.
+
+        ``basic_ack`` goes through py-amqp's generic path (argument encoding, a locked
+        frame buffer, a write per frame) at some 20 Python calls an ack; the broker thread
+        acks a turn's tasks here at once. The connection's owner calls it, and no other
+        thread writes on that connection (py-amqp's frame lock is not taken)."""
+        connection = self.connection
+        transport = connection.transport if connection is not None else None
+        if not tags:
+            return
+        if transport is None:
+            raise RecoverableConnectionError("connection already closed")
+        pack, channel_id = _ACK_FRAME.pack, self.channel_id
+        transport.write(b"".join([pack(1, channel_id, 13, 60, 80, tag, 0, 0xCE)
+                                  for tag in tags]))
+        connection.bytes_sent += 1     # what heartbeat_check counts: something was sent
 
     def basic_publish_confirm(self, *args: Any, confirm_timeout: float | None = None,
                               **kwargs: Any) -> Any:
