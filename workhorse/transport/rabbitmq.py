@@ -28,6 +28,7 @@ from amqp.transport import TCPTransport
 from kombu.exceptions import OperationalError
 from kombu.transport import pyamqp
 
+from .amqpframes import frame_handler
 from .backlog import Backlog, stamp_amqp
 
 log = logging.getLogger("workhorse.broker")
@@ -211,6 +212,9 @@ class Connection(pyamqp.Connection):
         #: A publish waits for its confirm: a block now means it may never come.
         self.awaiting_confirm = False
         kwargs.update(on_blocked=self._blocked, on_unblocked=self._unblocked)
+        # Deliveries' content headers decoded by our reader (the same values, in half
+        # the time: see amqpframes).
+        kwargs.setdefault("frame_handler", frame_handler)
         super().__init__(*args, **kwargs)
 
     def raise_if_blocked(self) -> None:
