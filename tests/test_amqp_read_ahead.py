@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from amqp.exceptions import UnexpectedFrame
+
 from workhorse.broker.drivers.amqp import AmqpDriver
 from workhorse.transport.rabbitmq import Connection, ReadAheadTransport
 
@@ -32,9 +34,9 @@ class CountingSocket:
         self.recvs = 0
         self.timeouts_set = 0
 
-    def recv(self, n: int) -> bytes:
+    def recv(self, n: int, flags: int = 0) -> bytes:
         self.recvs += 1
-        return self.sock.recv(n)
+        return self.sock.recv(n, flags)
 
     def settimeout(self, value: float | None) -> None:
         self.timeouts_set += 1
@@ -104,6 +106,74 @@ def test_a_buffered_frame_is_read_without_setting_the_sockets_timeout(pair):
     connection.blocking_read(5.0)
     assert sock.timeouts_set == 2             # from the buffer
     assert [f[2] for f in read] == [b"one", b"two"]
+
+
+def connected_to(transport: ReadAheadTransport) -> tuple[Any, list[Any]]:
+    """Our Connection on ``transport`` (not connected: a socket pair instead), handing
+    frames to a handler that completes a method at each frame whose payload ends in "!";
+    and the frames it got."""
+    got: list[Any] = []
+    connection = Connection.__new__(Connection)
+    connection._transport = transport
+    connection.on_inbound_frame = lambda f: got.append(f) or f[2].endswith(b"!")
+    return connection, got
+
+
+def test_frames_buffered_whole_are_read_until_one_completes_a_method(pair):
+    """A delivery's three frames in one call, from one recv, setting no timeout."""
+    transport, sock, server = pair
+    server.sendall(frame(b"deliver") + frame(b"header", 2) + frame(b"body!", 3)
+                   + frame(b"next!"))
+    connection, got = connected_to(transport)
+    assert connection.blocking_read(0) is True
+    assert [f[2] for f in got] == [b"deliver", b"header", b"body!"]
+    assert (sock.recvs, sock.timeouts_set) == (1, 0)
+    connection.drain_events(timeout=0)
+    assert got[-1] == (1, 1, b"next!") and sock.recvs == 1
+    # A method's frames cut short: those there are handed over, the rest waited for.
+    whole = frame(b"header", 2)
+    server.sendall(frame(b"deliver") + whole[:4])
+    assert connection.blocking_read(0) is False
+    server.sendall(whole[4:] + frame(b"body!", 3))
+    connection.drain_events(timeout=0)
+    assert [f[2] for f in got[-3:]] == [b"deliver", b"header", b"body!"]
+
+
+def test_a_read_that_must_not_wait_ends_at_once_on_an_empty_socket(pair):
+    """One recv, no timeout set, TimeoutError (py-amqp's socket.timeout); a closed
+    connection is an error and the transport is no longer connected."""
+    transport, sock, server = pair
+    connection, _ = connected_to(transport)
+    transport.connected = True
+    with pytest.raises(TimeoutError):
+        connection.drain_events(timeout=0)
+    assert (sock.recvs, sock.timeouts_set) == (1, 0) and transport.connected
+    server.close()
+    with pytest.raises(OSError, match="unexpectedly closed"):
+        connection.drain_events(timeout=0)
+    assert not transport.connected
+
+
+def test_a_wrong_frame_end_is_py_amqps_error(pair):
+    transport, _, server = pair
+    server.sendall(frame(b"one!")[:-1] + b"\x00" + frame(b"two!"))
+    connection, got = connected_to(transport)
+    with pytest.raises(UnexpectedFrame, match="frame_end 0x00"):
+        connection.drain_events(timeout=0)
+    connection.drain_events(timeout=0)
+    assert [f[2] for f in got] == [b"two!"]
+
+
+def test_a_socket_with_a_timeout_of_its_own_is_read_by_py_amqps_path(pair):
+    """recv would wait up to the socket's timeout before reading: read_now declines, and
+    py-amqp's read (setting the timeout asked for around it) is used."""
+    transport, sock, server = pair
+    sock.sock.settimeout(3.0)
+    assert transport.read_now() is None and sock.recvs == 0
+    server.sendall(frame(b"one!"))
+    connection, got = connected_to(transport)
+    connection.drain_events(timeout=0)
+    assert got == [(1, 1, b"one!")] and sock.timeouts_set == 2   # 0 s, then back to 3 s
 
 
 def test_the_tick_drains_what_is_buffered_until_no_whole_frame_is_left():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import socket
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +24,7 @@ from amqp.exceptions import (
     ConnectionError as AMQPConnectionError,
     MessageNacked,
     RecoverableConnectionError,
+    UnexpectedFrame,
 )
 from amqp.transport import TCPTransport
 from kombu.exceptions import OperationalError
@@ -42,6 +44,10 @@ READ_AHEAD = 65536
 #: A ``basic.ack`` method frame: frame type 1, channel, payload size 13, class 60 and
 #: method 80 (``basic.ack``), the delivery tag, the ``multiple`` bit, the frame-end octet.
 _ACK_FRAME = struct.Struct(">BHIHHQBB")
+#: A frame's header: its type, its channel, the size of its payload.
+_FRAME_HEADER = struct.Struct(">BHI").unpack_from
+#: errno values of a socket that is only not ready (py-amqp's list).
+_UNAVAILABLE = frozenset((errno.EAGAIN, errno.EINTR, errno.ENOENT, errno.EWOULDBLOCK))
 
 
 class BrokerBlocked(OperationalError):
@@ -148,9 +154,47 @@ class ReadAheadTransport(TCPTransport):
     def frame_buffered(self) -> bool:
         """Is a whole frame (header, payload, end octet) waiting in the buffer?"""
         ahead, pos = self._ahead, self._pos
-        if len(ahead) - pos < 7:
+        if len(ahead) - pos < 8:
             return False
-        return len(ahead) - pos >= int.from_bytes(ahead[pos + 3:pos + 7], "big") + 8
+        return len(ahead) - pos >= _FRAME_HEADER(ahead, pos)[2] + 8
+
+    def take_frame(self) -> tuple[int, int, bytes] | None:
+        """The next frame, as py-amqp's ``read_frame`` returns it, if it is buffered
+        whole; else None (nothing is taken). A frame whose end octet is wrong is taken and
+        raises py-amqp's ``UnexpectedFrame``, as there."""
+        ahead, pos = self._ahead, self._pos
+        if len(ahead) - pos < 8:
+            return None
+        kind, channel, size = _FRAME_HEADER(ahead, pos)
+        end = pos + 7 + size
+        if end >= len(ahead):
+            return None
+        self._pos = end + 1
+        if ahead[end] != 0xCE:
+            raise UnexpectedFrame(f"Received frame_end {ahead[end]:#04x} while expecting 0xce")
+        return kind, channel, ahead[pos + 7:end]
+
+    def read_now(self) -> bool | None:
+        """Add what the socket holds to the buffer, without waiting: True if it held
+        something, False if nothing, None if this socket cannot be read so (it waits up to
+        a timeout of its own first: py-amqp's path is for that). A closed or broken
+        connection raises as py-amqp's ``read_frame`` does."""
+        sock = self.sock
+        if sock.gettimeout() not in (None, 0.0):
+            return None
+        try:
+            data = sock.recv(READ_AHEAD, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            if exc.errno not in _UNAVAILABLE:
+                self.connected = False
+            raise
+        if not data:
+            self.connected = False
+            raise OSError("Server unexpectedly closed connection")
+        self._ahead, self._pos = self._ahead[self._pos:] + data, 0
+        return True
 
     def _read(self, n: int, initial: bool = False,
               _errnos: tuple[int, ...] = (errno.EAGAIN, errno.EINTR)) -> bytes:
@@ -187,13 +231,31 @@ class Connection(pyamqp.Connection):
     Channel = Channel
 
     def blocking_read(self, timeout: float | None = None) -> Any:
-        """py-amqp's, but a frame buffered whole is read without setting the socket's
-        timeout (two ``ioctl`` calls) around it."""
+        """py-amqp's: read a frame and hand it to the frame handler; True once a method is
+        handed over (``drain_events`` reads until one is). Here, with a timeout, frames
+        buffered whole are taken from the buffer (no socket, no timeout set around the
+        read: two ``ioctl`` calls a frame) one after another until one completes a method
+        (a delivery's three frames in one call). A read that must not wait
+        (``timeout=0``) finding the socket empty raises ``socket.timeout`` at once, as
+        py-amqp's ends a drain, without setting the socket's timeout twice."""
         transport = self.transport
-        buffered = getattr(transport, "frame_buffered", None)
-        if timeout is not None and buffered is not None and buffered():
-            return self.on_inbound_frame(transport.read_frame())
-        return super().blocking_read(timeout)
+        take = getattr(transport, "take_frame", None)
+        if take is None or timeout is None:
+            return super().blocking_read(timeout)
+        frame = take()
+        if frame is None:
+            got = transport.read_now() if timeout == 0 else None
+            if got is False:
+                raise TimeoutError()
+            frame = take() if got else None
+            if frame is None:       # a frame in part, or a socket with its own timeout
+                return super().blocking_read(timeout)
+        on_frame = self.on_inbound_frame
+        while not on_frame(frame):
+            frame = take()
+            if frame is None:
+                return False
+        return True
 
     def Transport(self, host: str, connect_timeout: float | None, ssl: Any = False,
                   read_timeout: float | None = None, write_timeout: float | None = None,
