@@ -237,3 +237,59 @@ def test_a_frame_out_of_turn_is_the_same_error(frames):
             run(handler, frames)
         errors.append(str(caught.value))
     assert errors[0] == errors[1]
+
+
+# -- deliveries dispatched -------------------------------------------------------------
+
+def channel_with_listener(**attributes: Any) -> tuple[Any, list]:
+    """Our Channel, not connected, its basic.deliver listener recording what it gets."""
+    from workhorse.transport.rabbitmq import Channel
+    got: list = []
+    channel = Channel.__new__(Channel)
+    channel.is_closing = False
+    channel._pending = {}
+    channel._callbacks = {spec.Basic.Deliver: lambda *args: got.append(args)}
+    channel.auto_decode = True
+    channel.channel_id = 1
+    for name, value in attributes.items():
+        setattr(channel, name, value)
+    return channel, got
+
+
+def delivered(body: bytes, **properties: Any) -> Message:
+    message = Message(frame_method=spec.Basic.Deliver, frame_args=b"")
+    message.properties = properties
+    message.body = body
+    return message
+
+
+@pytest.mark.parametrize(("args", "body", "properties"), [
+    (["ctag", 7, False, "", "q"], "é".encode(), {"content_encoding": "utf-8"}),
+    (["amq.ctag-Zx", 2**64 - 1, True, "exch", "rk.é"], b"\xff", {"content_encoding": "utf-8"}),
+    (["", 1, True, "", ""], b"raw", {}),                         # no encoding: bytes
+    (["c", 3, False, "e", "r"], b"x", {"content_encoding": "no-such-codec"}),
+    (["c", 3, False, "e", "r"], b"x", {"content_encoding": None}),
+])
+def test_a_delivery_reaches_the_listener_as_through_py_amqp(args, body, properties):
+    from amqp.abstract_channel import AbstractChannel
+    payload = dumps("sLbss", args)
+    ours, got = channel_with_listener()
+    theirs, expected = channel_with_listener()
+    ours.dispatch_method(spec.Basic.Deliver, b"\0\0\0\0" + payload,
+                         delivered(body, **properties))
+    AbstractChannel.dispatch_method(theirs, spec.Basic.Deliver, b"\0\0\0\0" + payload,
+                                    delivered(body, **properties))
+    assert [(a[:5], a[5].body) for a in got] == [(e[:5], e[5].body) for e in expected]
+    assert list(got[0][:5]) == args
+
+
+def test_a_delivery_with_a_one_shot_wait_or_a_closing_channel_goes_py_amqps_way():
+    payload = b"\0\0\0\0" + dumps("sLbss", ["c", 1, False, "", "q"])
+    waited: list = []
+    channel, got = channel_with_listener(
+        _pending={spec.Basic.Deliver: lambda *args: waited.append(args)})
+    channel.dispatch_method(spec.Basic.Deliver, payload, delivered(b"x"))
+    assert len(got) == 1 and len(waited) == 1 and not channel._pending
+    channel, got = channel_with_listener(is_closing=True)
+    channel.dispatch_method(spec.Basic.Deliver, payload, delivered(b"x"))
+    assert got == []

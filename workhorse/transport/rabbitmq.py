@@ -44,6 +44,9 @@ READ_AHEAD = 65536
 #: A ``basic.ack`` method frame: frame type 1, channel, payload size 13, class 60 and
 #: method 80 (``basic.ack``), the delivery tag, the ``multiple`` bit, the frame-end octet.
 _ACK_FRAME = struct.Struct(">BHIHHQBB")
+#: basic.deliver's delivery tag and the octet holding its redelivered bit.
+_TAG_AND_BITS = struct.Struct(">QB").unpack_from
+_DELIVER = spec.Basic.Deliver
 #: A frame's header: its type, its channel, the size of its payload.
 _FRAME_HEADER = struct.Struct(">BHI").unpack_from
 #: errno values of a socket that is only not ready (py-amqp's list).
@@ -79,6 +82,35 @@ class Channel(pyamqp.Channel):
         return Backlog(ready, None, consumers)
 
     basic_publish = _basic_publish
+
+    def dispatch_method(self, method_sig: Any, payload: bytes, content: Any) -> Any:
+        """py-amqp's, with a short path for a delivery: its five arguments read with one
+        struct (py-amqp's general reader costs a Python loop over their letters), the
+        body decoded by its content encoding as py-amqp does, and the consumer's listener
+        called. Anything else (another method, a channel closing, a one-shot wait for a
+        delivery, no listener) goes py-amqp's way."""
+        if (method_sig != _DELIVER or content is None or self.is_closing
+                or _DELIVER in self._pending or type(payload) is not bytes):
+            return super().dispatch_method(method_sig, payload, content)
+        listener = self._callbacks.get(_DELIVER)
+        if listener is None:
+            return super().dispatch_method(method_sig, payload, content)
+        # Consumer tag, delivery tag, redelivered, exchange, routing key: sLbss.
+        end = 5 + payload[4]
+        consumer_tag = payload[5:end].decode("utf-8", "surrogatepass")
+        delivery_tag, bits = _TAG_AND_BITS(payload, end)
+        start = end + 9
+        end = start + 1 + payload[start]
+        exchange = payload[start + 1:end].decode("utf-8", "surrogatepass")
+        routing_key = payload[end + 1:end + 1 + payload[end]].decode("utf-8", "surrogatepass")
+        properties = content.properties
+        if self.auto_decode and "content_encoding" in properties:
+            try:
+                content.body = content.body.decode(properties["content_encoding"])
+            except Exception:  # noqa: BLE001 - as py-amqp: the body stays bytes
+                pass
+        listener(consumer_tag, delivery_tag, bits & 1 == 1, exchange, routing_key, content)
+        return None
 
     def ack_tags(self, tags: Sequence[int]) -> None:
         """Ack each delivery in ``tags`` (``basic.ack``, ``multiple`` false: one frame
