@@ -145,24 +145,48 @@ class SqliteLink:
         return len(Store(self.path).browse("q"))
 
 
+    def start(self) -> None:
+        """The broker thread started, connected, and parked: a take the loop asks for
+        next is made on the loop (a publish made after this wakes the broker thread, which
+        may then be under way when the loop takes; the tests that must take on the loop
+        publish before)."""
+        self.link.start()
+        self.turn_until(self.connected.is_set, "the broker thread to connect")
+        self.turn_until(self._parked, "the broker thread to park")
+
+    def _parked(self) -> bool:
+        consumer = self.link.thread.borrow()
+        if consumer is None:
+            return False
+        self.link.thread.give_back()
+        return True
+
+
 @pytest.fixture
-def sqlite_link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SqliteLink]:
+def unstarted_sqlite_link(tmp_path: Path,
+                          monkeypatch: pytest.MonkeyPatch) -> Iterator[SqliteLink]:
     # These tests take on the loop thread, which it does only while the broker thread is
     # parked: its checkpoints, every half second, would now and then be under way.
     monkeypatch.setattr(sqlite_driver, "CHECKPOINT_INTERVAL", 3600.0)
     it = SqliteLink(tmp_path)
     it.publish(0)                      # the file and the queue exist before it connects
-    it.link.start()
-    it.turn_until(it.connected.is_set, "the broker thread to connect")
     try:
         yield it
     finally:
         it.link.close(5)
 
 
-def test_on_sqlite_the_loop_acks_and_takes_itself_without_the_broker_thread(sqlite_link):
-    it = sqlite_link
+@pytest.fixture
+def sqlite_link(unstarted_sqlite_link: SqliteLink) -> SqliteLink:
+    unstarted_sqlite_link.start()
+    return unstarted_sqlite_link
+
+
+def test_on_sqlite_the_loop_acks_and_takes_itself_without_the_broker_thread(
+        unstarted_sqlite_link):
+    it = unstarted_sqlite_link
     it.publish(10)
+    it.start()
     it.link.set_room(8)
     assert it.received == []                # the turn goes on: its jobs come first
     it.loop.wait(0)
@@ -210,10 +234,12 @@ def test_the_loop_never_waits_for_a_write_lock_another_process_holds(sqlite_link
     assert it.rows() == 2 and message_held[0].acknowledged
 
 
-def test_an_unreadable_entry_taken_on_the_loop_is_buried_by_the_broker_thread(sqlite_link):
-    it = sqlite_link
+def test_an_unreadable_entry_taken_on_the_loop_is_buried_by_the_broker_thread(
+        unstarted_sqlite_link):
+    it = unstarted_sqlite_link
     Store(it.path).put("q", "{not json")
     it.publish(1)
+    it.start()
     it.link.set_room(8)
     it.loop.wait(0)
     assert len(it.received) == 1            # the readable one; the other waits, leased
