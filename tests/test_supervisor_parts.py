@@ -608,6 +608,47 @@ def test_late_acks_travel_together_and_never_wait_past_the_delay():
     assert handed() == ["ack"]                     # so they go at the end of the turn
 
 
+def test_less_credit_goes_at_once_and_more_waits_for_the_end_of_the_turn():
+    """RabbitMQ's credit: a shrink reaches the broker before the acks that follow it; a
+    growth waits for the end of the turn, where a task that finished and the ack at start
+    of the next one cancel out (they cost two ``basic.qos`` a task with acks at start)."""
+    from workhorse.broker.thread import Ack
+    link, loop, clock, handed = _link(window=8)
+    link.push = True
+    told: list[object] = []
+    consumer = SimpleNamespace(set_credit=lambda count: told.append(count),
+                               resize=lambda window, acked: told.append("resize"))
+
+    def to_broker() -> list[object]:
+        for item in link.thread.commands.take():
+            if isinstance(item, Ack):
+                told.append("ack")
+            else:
+                item(consumer)
+        said = told[:]
+        told.clear()
+        return said
+    link.set_credit(8)
+    assert to_broker() == ["resize", 8]            # the first: at once
+    link.set_credit(6)
+    assert to_broker() == [6]                      # less: at once
+    link.set_credit(7)                             # a task finished ...
+    assert to_broker() == []
+    link.set_credit(6)                             # ... and the next one is acked at start
+    link.ack_then(SimpleNamespace(headers={}), lambda error: None)
+    link.set_room(0, starved=False)
+    loop.wait(0)
+    assert to_broker() == ["ack"]                  # no basic.qos at all
+    link.set_credit(7)
+    assert to_broker() == []
+    loop.wait(0)                                   # the end of the turn
+    assert to_broker() == [7]
+    link.set_credit(5)                             # less, then an ack at start
+    link.ack_then(SimpleNamespace(headers={}), lambda error: None)
+    link.set_room(0, starved=False)
+    assert to_broker() == [5, "ack"]               # in that order on the channel
+
+
 def test_the_link_fetches_in_batches_unless_children_are_starved():
     link, loop, clock, handed = _link(window=8)
 

@@ -84,6 +84,7 @@ class BrokerLink:
         self._sends_paused_until = 0.0
         self.received = 0       # messages handed to the loop so far (for Room)
         self._credit = -1
+        self._credit_wanted = -1    # (what the supervisor last asked for: see set_credit)
         self.prefetch, self.acked_running = prefetch, acked_running
         self._window = -1           # the window the consumer was last told
         self.loop = loop
@@ -198,7 +199,10 @@ class BrokerLink:
     def _before_wait(self) -> None:
         """SQLite, Redis: the acks and the take this turn asked for, once the turn is done
         (its jobs handed to the children, which run them meanwhile), before the loop
-        waits: from this thread where that never waits, else handed to the broker thread."""
+        waits: from this thread where that never waits, else handed to the broker thread.
+        RabbitMQ: more credit asked for in the turn (``_send_credit``)."""
+        if self._credit_wanted != self._credit and self._credit >= 0:
+            self._send_credit()
         fetch, acks = self._want_fetch, self._want_acks
         if not (fetch or acks):
             return
@@ -217,6 +221,19 @@ class BrokerLink:
             # may be acked already)
             self._window, acked = window, self.acked_running()
             self.submit(lambda c: c.resize(window, acked), "resizing the prefetch window")
+        self._credit_wanted = count
+        if count < self._credit or self._credit < 0:
+            self._send_credit()
+
+    def _send_credit(self) -> None:
+        """The credit the supervisor last asked for, if the broker was told another. Less
+        credit goes at once: it must reach the broker before the acks that follow it (an
+        ack at start frees a place the running task still holds). More credit waits for
+        the end of the turn (``_before_wait``): a task that finished gives its place back,
+        and the ack at start of the next one, in the same turn, takes it again; told at
+        once, each of them cost RabbitMQ a ``basic.qos`` (two a task with acks at
+        start), where the turn's net change is usually none."""
+        count = self._credit_wanted
         if count != self._credit:
             self._credit = count
             self.submit(lambda c: c.set_credit(count), "setting the prefetch credit")
