@@ -3,6 +3,10 @@ py-amqp's ``basic_ack`` writes, one write for a turn's acks, the server taking e
 lost connection an error for every message of the batch."""
 from __future__ import annotations
 
+import errno
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -10,7 +14,7 @@ import pytest
 from amqp.exceptions import RecoverableConnectionError
 from amqp.method_framing import frame_writer
 
-from workhorse.transport.rabbitmq import Channel
+from workhorse.transport.rabbitmq import Channel, ReadAheadTransport
 
 from .conftest import wait_until
 
@@ -70,20 +74,31 @@ def test_a_closed_channel_or_connection_raises_as_basic_ack_does():
         channel.basic_ack(1)
 
 
+@contextmanager
+def delivered(client: Any, broker: Any, count: int,
+              lost: Callable[[BaseException], None] = lambda exc: None,
+              ) -> Iterator[tuple[Any, list]]:
+    """A BrokerConsumer on the test's queue (window 5) that received ``count`` records,
+    and what it received; closed at the end."""
+    from tests.apps import basic
+    from workhorse.broker.consumer import BrokerConsumer
+    received: list = []
+    consumer = BrokerConsumer(client, [broker.queue], lambda q, m: received.append(m), lost)
+    try:
+        consumer.connect(5, lambda: 5)
+        for n in range(count):
+            basic.record.delay(n)
+        wait_until(lambda: _drained(consumer, received) == count, 10, f"{count} deliveries")
+        yield consumer, received
+    finally:
+        consumer.close()
+
+
 @pytest.mark.parametrize("broker", ["amqp"], indirect=True)
 def test_the_server_takes_a_batch_and_gives_back_only_what_was_not_acked(broker, client):
     """Three of five deliveries acked in one write: after the connection closes, the two
     others come back, and only they."""
-    from tests.apps import basic
-    from workhorse.broker.consumer import BrokerConsumer
-    received: list = []
-    consumer = BrokerConsumer(client, [broker.queue], lambda q, m: received.append(m),
-                              lambda exc: None)
-    try:
-        consumer.connect(5, lambda: 5)
-        for n in range(5):
-            basic.record.delay(n)
-        wait_until(lambda: _drained(consumer, received) == 5, 10, "five deliveries")
+    with delivered(client, broker, 5) as (consumer, received):
         transport = consumer.connection.connection.transport
         write, writes = transport.write, []
         transport.write = lambda data: (writes.append(bytes(data)), write(data))[1]
@@ -93,8 +108,6 @@ def test_the_server_takes_a_batch_and_gives_back_only_what_was_not_acked(broker,
         # An acknowledged message is refused, per message, and nothing is written for it.
         errors = consumer.ack_many(received[2:4])
         assert errors[0] is not None and errors[1] is None and len(writes) == 2
-    finally:
-        consumer.close()
     wait_until(lambda: broker.queue_size() == 1, 10, "the one never acked back in the queue")
     left = broker.drain(broker.queue)
     assert len(left) == 1 and left[0][0]["argsrepr"] == "(4,)"
@@ -102,24 +115,13 @@ def test_the_server_takes_a_batch_and_gives_back_only_what_was_not_acked(broker,
 
 @pytest.mark.parametrize("broker", ["amqp"], indirect=True)
 def test_a_lost_connection_is_an_error_for_every_message_of_the_batch(broker, client):
-    from tests.apps import basic
-    from workhorse.broker.consumer import BrokerConsumer
-    received: list = []
     lost: list = []
-    consumer = BrokerConsumer(client, [broker.queue], lambda q, m: received.append(m),
-                              lost.append)
-    try:
-        consumer.connect(5, lambda: 5)
-        for n in range(3):
-            basic.record.delay(n)
-        wait_until(lambda: _drained(consumer, received) == 3, 10, "three deliveries")
+    with delivered(client, broker, 3, lost.append) as (consumer, received):
         consumer.connection.connection.transport.sock.close()
         errors = consumer.ack_many(received)
         assert all(isinstance(e, Exception) for e in errors) and len(errors) == 3
         assert not any(m.acknowledged for m in received)
         assert lost, "the consumer counts the connection lost"
-    finally:
-        consumer.close()
     wait_until(lambda: broker.queue_size() == 3, 10, "all three back in the queue")
 
 
@@ -128,3 +130,148 @@ def _drained(consumer: Any, received: list) -> int:
     for fd in consumer.fds():
         consumer.on_readable(fd)
     return len(received)
+
+
+# -- acks written on the loop thread (Channel.ack_tags_now, BrokerConsumer.ack_now)
+
+
+class FakeSocket:
+    """A socket whose ``send`` takes ``room`` bytes at most (0: none, as a full buffer);
+    what it took is kept, with what ``sendall`` wrote, in order."""
+
+    def __init__(self, room: int, timeout: float | None = None) -> None:
+        self.room, self.timeout, self.sent = room, timeout, b""
+        self.fail: OSError | None = None
+
+    def gettimeout(self) -> float | None:
+        return self.timeout
+
+    def send(self, data: bytes, flags: int = 0) -> int:
+        assert flags & socket.MSG_DONTWAIT, "a send that would wait"
+        if self.fail is not None:
+            raise self.fail
+        if self.room == 0:
+            raise BlockingIOError(errno.EAGAIN, "full")
+        taken = bytes(data[:self.room])
+        self.room -= len(taken)
+        self.sent += taken
+        return len(taken)
+
+    def sendall(self, data: bytes) -> None:
+        self.sent += bytes(data)
+
+
+def read_ahead_on(sock: Any) -> ReadAheadTransport:
+    transport = ReadAheadTransport.__new__(ReadAheadTransport)
+    transport.sock, transport._write, transport.connected = sock, sock.sendall, True
+    return transport
+
+
+def frames_of(tags: list[int], channel_id: int = 7) -> bytes:
+    reference = Writes()
+    for tag in tags:
+        channel_on(reference, channel_id).basic_ack(tag)
+    return b"".join(reference.writes)
+
+
+def test_acks_written_at_once_are_basic_acks_frames_sent_without_waiting():
+    sock = FakeSocket(room=10_000)
+    channel = channel_on(read_ahead_on(sock))
+    assert channel.ack_tags_now([1, 2, 2**40]) is True
+    assert sock.sent == frames_of([1, 2, 2**40])
+    assert channel.connection.bytes_sent == 1
+
+
+def test_a_full_socket_takes_no_ack_and_nothing_is_kept_for_later():
+    sock = FakeSocket(room=0)
+    transport = read_ahead_on(sock)
+    channel = channel_on(transport)
+    assert channel.ack_tags_now([1, 2]) is None
+    assert sock.sent == b"" and transport._unsent == b""
+    assert channel.connection.bytes_sent == 0
+    channel.ack_tags([3])       # the owner's write, as ever
+    assert sock.sent == frames_of([3])
+
+
+def test_a_socket_with_a_timeout_of_its_own_is_not_written_so():
+    """Python waits for such a socket to be writable before it sends, MSG_DONTWAIT or not."""
+    sock = FakeSocket(room=10_000, timeout=5.0)
+    assert channel_on(read_ahead_on(sock)).ack_tags_now([1]) is None
+    assert sock.sent == b""
+
+
+def test_a_part_taken_leaves_the_rest_first_in_the_next_write():
+    sock = FakeSocket(room=30)
+    transport = read_ahead_on(sock)
+    channel = channel_on(transport)
+    assert channel.ack_tags_now([1, 2, 3]) is False
+    assert len(sock.sent) == 30
+    # Nothing more is written without waiting while the rest waits: it would overtake it.
+    sock.room = 10_000
+    assert channel.ack_tags_now([4]) is None
+    channel.ack_tags([5])               # any write: the rest goes first
+    assert sock.sent == frames_of([1, 2, 3, 5])
+    transport.finish_write()            # nothing left: nothing written
+    assert sock.sent == frames_of([1, 2, 3, 5])
+
+
+def test_finish_write_sends_the_rest_alone():
+    sock = FakeSocket(room=21)
+    transport = read_ahead_on(sock)
+    assert channel_on(transport).ack_tags_now([1, 2]) is False
+    transport.finish_write()
+    assert sock.sent == frames_of([1, 2]) and transport._unsent == b""
+
+
+def test_a_broken_socket_raises_and_counts_the_connection_down():
+    sock = FakeSocket(room=10_000)
+    sock.fail = ConnectionResetError(errno.ECONNRESET, "reset")
+    transport = read_ahead_on(sock)
+    with pytest.raises(ConnectionResetError):
+        channel_on(transport).ack_tags_now([1])
+    assert transport.connected is False and sock.sent == b""
+
+
+def test_a_closed_connection_raises_as_basic_ack_does_when_written_at_once():
+    channel = channel_on(Writes())
+    channel.connection.transport = None
+    with pytest.raises(RecoverableConnectionError):
+        channel.ack_tags_now([1])
+
+
+def test_a_transport_that_cannot_write_without_waiting_leaves_the_acks_to_the_owner():
+    transport = Writes()            # (TLS: py-amqp's SSL transport has no write_now)
+    assert channel_on(transport).ack_tags_now([1]) is None and transport.writes == []
+
+
+@pytest.mark.parametrize("broker", ["amqp"], indirect=True)
+def test_acks_made_at_once_are_taken_by_the_server(broker, client):
+    """Three of five deliveries acked by ``ack_now``: the server gives back the two
+    others, and only them, when the connection closes; what cannot be acked at once
+    (a message settled already) is left to the broker thread, untouched."""
+    with delivered(client, broker, 5) as (consumer, received):
+        assert consumer.acks_at_once
+        assert consumer.ack_now(received[:3]) is True
+        assert all(m.acknowledged for m in received[:3])
+        assert consumer.ack_now(received[2:4]) is None         # one acked already
+        assert not received[3].acknowledged
+    wait_until(lambda: broker.queue_size() == 2, 10, "the two not acked back in the queue")
+    left = sorted(headers["argsrepr"] for headers, _ in broker.drain(broker.queue))
+    assert left == ["(3,)", "(4,)"]
+
+
+@pytest.mark.parametrize("broker", ["amqp"], indirect=True)
+def test_acks_written_in_part_before_a_reconnect_are_not_made(broker, client):
+    """The rest of a part-written batch belongs to its connection: after a reconnect,
+    finishing it is an error (the messages come back from the server), never a
+    success."""
+    from workhorse.broker.consumer import BrokerUnavailable
+    with delivered(client, broker, 1) as (consumer, received):
+        old = received[0].channel
+        consumer.close()
+        consumer.connect(5, lambda: 5)
+        with pytest.raises(BrokerUnavailable):
+            consumer.finish_write(old)
+        wait_until(lambda: _drained(consumer, received) == 2, 10, "the delivery again")
+        assert received[1].delivery_info["redelivered"]
+        consumer.finish_write(received[1].channel)      # nothing left: nothing to do

@@ -6,66 +6,40 @@ it), with a take of what room is left; a take that gets no answer is given up
 (tests/test_broker_faults.py injects that fault into a real worker)."""
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
-from kombu import Connection, Producer
 
-from workhorse import App
 from workhorse.broker import thread as broker_thread
 from workhorse.broker.drivers import base as driver_base
 from workhorse.broker.drivers import redis as redis_driver
-from workhorse.broker.link import BrokerLink
-from workhorse.broker.queues import ensure_queue
-from workhorse.daemon.loop import Loop
-from workhorse.protocol import build_message, dead_letter_queue
+from workhorse.protocol import dead_letter_queue
 
-from .conftest import BrokerEnv, make_broker, wait_until
+from .conftest import BrokerEnv, make_broker
+from .links import LinkHarness
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.broker("redis")]
 
 
-class RedisLink:
-    """A real BrokerLink with its broker thread, on Redis; the test is the loop."""
+class RedisLink(LinkHarness):
+    """The harness on Redis."""
 
     def __init__(self, broker: BrokerEnv) -> None:
+        super().__init__(broker.url, broker.queue)
         self.broker = broker
-        self.app = App("t", broker_url=broker.url, result_backend="disabled")
-        self.loop = Loop()
-        self.received: list[Any] = []
         self.handed = 0                 # messages handed to the loop, those cleared too
-        self.connected = threading.Event()
-        self.link = BrokerLink(self.app, [broker.queue], self.loop, self._received,
-                               self.connected.set, lambda e: None, lambda e: None,
-                               lambda: 8, None, True)
         self.redis = redis.Redis.from_url(broker.url)
 
     def _received(self, queue: str, message: Any, deliveries: int) -> None:
-        self.received.append(message)
+        super()._received(queue, message, deliveries)
         self.handed += 1
-
-    def publish(self, count: int) -> None:
-        with Connection(self.broker.url) as conn:
-            ensure_queue(conn, self.broker.queue)
-            producer = Producer(conn)
-            for n in range(count):
-                msg = build_message("t.add", f"id-{n}", [n], {})
-                producer.publish(msg.body, exchange="", routing_key=self.broker.queue,
-                                 serializer="json", headers=msg.headers)
 
     def room(self, free: int) -> None:
         """``free`` places in the window now, as the supervisor says it."""
         self.link.received = self.handed
         self.link.set_room(free)
-
-    def turn_until(self, condition: Any, what: str) -> None:
-        def turned() -> object:
-            self.loop.run_once(0.02)
-            return condition()
-        wait_until(turned, 10, what, interval=0)
 
     def leased(self, message: Any) -> bool:
         return bool(self.redis.hexists("unacked", message.delivery_tag))
@@ -81,8 +55,7 @@ def redis_link(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Redis
     broker = make_broker("redis", tmp_path)
     it = RedisLink(broker)
     it.publish(1)                      # the queue exists before it connects
-    it.link.start()
-    it.turn_until(it.connected.is_set, "the broker thread to connect")
+    it.start()
     # The first take is the broker thread's: it opens the connection the loop sends on
     # (connecting may wait); the ack of what it took is sent from here.
     it.room(1)

@@ -10,21 +10,15 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
-from kombu import Connection, Producer
 
 import workhorse  # noqa: F401 - registers the sqlite:// transport
-from workhorse import App
 from workhorse.broker.drivers import sqlite as sqlite_driver
-from workhorse.broker.link import BrokerLink
-from workhorse.daemon.loop import Loop
-from workhorse.protocol import build_message, dead_letter_queue
-from workhorse.broker.queues import ensure_queue
+from workhorse.protocol import dead_letter_queue
 from workhorse.transport.store import Store, StoreBusy
 
-from .conftest import wait_until
+from .links import LinkHarness
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.broker("sqlite")]
 
@@ -108,37 +102,12 @@ def test_a_take_that_must_not_wait_fails_at_once_while_another_thread_uses_the_s
     assert len(store.lease_many(["q"], 60, 1, wait=False)) == 1
 
 
-class SqliteLink:
-    """A real BrokerLink with its broker thread, on a SQLite file; the test is the loop."""
+class SqliteLink(LinkHarness):
+    """The harness on a SQLite file, queue "q"."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.path = tmp_path / "broker.sqlite3"
-        self.url = f"sqlite:///{self.path}"
-        self.app = App("t", broker_url=self.url, result_backend="disabled")
-        self.loop = Loop()
-        self.received: list[Any] = []
-        self.connected = threading.Event()
-        self.link = BrokerLink(self.app, ["q"], self.loop, self._received,
-                               self.connected.set, lambda e: None, lambda e: None,
-                               lambda: 8, None, True)
-
-    def _received(self, queue: str, message: Any, deliveries: int) -> None:
-        self.received.append(message)
-
-    def publish(self, count: int, body: Any = None) -> None:
-        with Connection(self.url) as conn:
-            ensure_queue(conn, "q")
-            producer = Producer(conn)
-            for n in range(count):
-                msg = build_message("t.add", f"id-{n}", [n], {})
-                producer.publish(msg.body, exchange="", routing_key="q", serializer="json",
-                                 headers=msg.headers)
-
-    def turn_until(self, condition: Any, what: str) -> None:
-        def turned() -> object:
-            self.loop.run_once(0.02)
-            return condition()
-        wait_until(turned, 10, what, interval=0)
+        super().__init__(f"sqlite:///{self.path}", "q")
 
     def rows(self) -> int:
         """Messages in the queue, held (leased) or not: what is not acked."""
@@ -150,16 +119,8 @@ class SqliteLink:
         next is made on the loop (a publish made after this wakes the broker thread, which
         may then be under way when the loop takes; the tests that must take on the loop
         publish before)."""
-        self.link.start()
-        self.turn_until(self.connected.is_set, "the broker thread to connect")
-        self.turn_until(self._parked, "the broker thread to park")
-
-    def _parked(self) -> bool:
-        consumer = self.link.thread.borrow()
-        if consumer is None:
-            return False
-        self.link.thread.give_back()
-        return True
+        super().start()
+        self.turn_until(self.parked, "the broker thread to park")
 
 
 @pytest.fixture

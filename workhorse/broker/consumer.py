@@ -625,6 +625,40 @@ class BrokerConsumer:
             message._state = "ACK"
         return errors
 
+    def ack_now(self, messages: list[Message]) -> bool | None:
+        """Ack ``messages`` if it can be done without waiting (the loop thread calls it
+        while the broker thread is parked): on RabbitMQ, their frames written to the socket
+        at once. True: written whole; False: written in part, the rest sent by
+        ``finish_write`` (the broker thread's), and only then are they acked; None: nothing
+        was done (another broker; a message of an older connection's channel, or one
+        settled already; a socket that is full or cannot be written so; a connection that
+        failed, whose loss the broker thread finds and reports), and the broker thread is
+        to ack them."""
+        driver = self._taking_here(messages, "acks_inline")
+        if driver is None or any(message.acknowledged for message in messages):
+            return None
+        channel = messages[0].channel
+        failures: tuple[type[BaseException], ...] = (OSError, *self._errors())
+        try:
+            written = channel.ack_tags_now([message.delivery_tag for message in messages])
+        except failures:
+            return None     # nothing was written
+        if written is not None:
+            for message in messages:
+                message._state = "ACK"
+        return written
+
+    def finish_write(self, channel: Any) -> None:
+        """Send what ``ack_now`` wrote in part on ``channel``, waiting for the socket.
+        Raises if that channel's connection is gone meanwhile: those acks are not made
+        (their messages come back from the broker)."""
+        transport = getattr(getattr(channel, "connection", None), "transport", None)
+        if (transport is None or not self.consuming
+                or channel is not self.consumers[0].channel):
+            raise BrokerUnavailable(
+                "the connection closed before the acks written in part were sent")
+        self._settling(channel, transport.finish_write)
+
     def take_send(self, messages: list[Message], pipe: Any = None) -> SentAcks | None:
         """``ack_many(messages, fetch=True)``'s request sent, never waiting, on ``pipe``
         after the ones sent on it before, or on a new pipe (``SentAcks.pipe``); the answers
@@ -674,6 +708,11 @@ class BrokerConsumer:
     def takes_split(self) -> bool:
         """Can ``take_send`` be asked of this connection (Redis)?"""
         return self.capabilities.takes_split
+
+    @property
+    def acks_at_once(self) -> bool:
+        """Can ``ack_now`` be asked of this connection (RabbitMQ)?"""
+        return self.capabilities.acks_inline
 
     @property
     def takes_at_once(self) -> bool:

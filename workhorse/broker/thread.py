@@ -237,6 +237,11 @@ class BrokerThread:
         before or after them (see ``Ack``)."""
         self.commands.put_many(acks)
 
+    def submit_unsent(self, acks: list[Ack]) -> None:
+        """Acks the loop thread wrote in part (``BrokerConsumer.ack_now``): the rest sent
+        here, then each one's outcome posted, as for the acks made here."""
+        self.commands.put(lambda consumer: self._finish_acks(acks))
+
     def _guarded(self, command: Command, what: str) -> Command:
         def run(consumer: BrokerConsumer) -> None:
             try:
@@ -390,6 +395,17 @@ class BrokerThread:
             log.error("acking %d messages%s failed: %r", len(acks),
                       " and fetching" if fetch else "", exc, exc_info=exc)
             errors = [exc] * len(acks)
+        self._outcomes(acks, errors)
+
+    def _finish_acks(self, acks: list[Ack]) -> None:
+        error: Exception | None = None
+        try:
+            self.consumer.finish_write(acks[0].message.channel)
+        except Exception as exc:  # noqa: BLE001 - each ack's outcome
+            error = exc
+        self._outcomes(acks, [error] * len(acks))
+
+    def _outcomes(self, acks: list[Ack], errors: list[Exception | None]) -> None:
         for ack, error in zip(acks, errors, strict=True):
             if ack.then is not None:
                 self.post(partial(ack.then, error))

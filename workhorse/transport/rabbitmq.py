@@ -16,7 +16,7 @@ import errno
 import logging
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from amqp import spec
@@ -131,6 +131,27 @@ class Channel(pyamqp.Channel):
                                   for tag in tags]))
         connection.bytes_sent += 1     # what heartbeat_check counts: something was sent
 
+    def ack_tags_now(self, tags: Sequence[int]) -> bool | None:
+        """``ack_tags`` without waiting for the socket (another thread than the
+        connection's owner calls it, while the owner is parked and writes nothing): True
+        if the frames were written whole; None if nothing was written (this socket cannot
+        be written so, or its buffer is full), the owner is to ack them; False if they
+        were written in part: the rest goes first in the transport's next write, and
+        ``finish_write`` sends it. A connection that failed raises, as ``ack_tags``."""
+        connection = self.connection
+        transport = connection.transport if connection is not None else None
+        if transport is None:
+            raise RecoverableConnectionError("connection already closed")
+        write_now = getattr(transport, "write_now", None)
+        if write_now is None or not tags:
+            return None
+        pack, channel_id = _ACK_FRAME.pack, self.channel_id
+        written = write_now(b"".join([pack(1, channel_id, 13, 60, 80, tag, 0, 0xCE)
+                                      for tag in tags]))
+        if written is not None:
+            connection.bytes_sent += 1
+        return written
+
     def basic_publish_confirm(self, *args: Any, confirm_timeout: float | None = None,
                               **kwargs: Any) -> Any:
         if not self._confirm_selected:   # py-amqp's flag: confirm mode asked for once
@@ -172,6 +193,9 @@ class ReadAheadTransport(TCPTransport):
 
     _ahead = b""            # bytes read from the socket ...
     _pos = 0                # ... of which those before this offset are used
+    #: The part of a ``write_now`` the socket did not take: it goes first in the next
+    #: write, so the frames leave in the order they were written.
+    _unsent = b""
 
     @property
     def _read_buffer(self) -> bytes:
@@ -214,19 +238,55 @@ class ReadAheadTransport(TCPTransport):
         sock = self.sock
         if sock.gettimeout() not in (None, 0.0):
             return None
-        try:
-            data = sock.recv(READ_AHEAD, socket.MSG_DONTWAIT)
-        except BlockingIOError:
+        data = self._at_once(sock.recv, READ_AHEAD)
+        if data is None:
             return False
-        except OSError as exc:
-            if exc.errno not in _UNAVAILABLE:
-                self.connected = False
-            raise
         if not data:
             self.connected = False
             raise OSError("Server unexpectedly closed connection")
         self._ahead, self._pos = self._ahead[self._pos:] + data, 0
         return True
+
+    def write(self, s: Any) -> None:
+        """py-amqp's, after what ``write_now`` left unsent."""
+        if self._unsent:
+            s, self._unsent = self._unsent + s, b""
+        super().write(s)
+
+    def write_now(self, data: bytes) -> bool | None:
+        """Write ``data`` without waiting for the socket: True if it took all of it; None
+        if it took none (full), or this socket cannot be written so (it waits up to a
+        timeout of its own first): nothing was written; False if it took a part: the rest
+        is kept, to go first in the next ``write`` (``finish_write``). A broken connection
+        raises as ``write`` does."""
+        sock = self.sock
+        if self._unsent or sock.gettimeout() not in (None, 0.0):
+            return None
+        sent = self._at_once(sock.send, data)
+        if not sent:
+            return None
+        if sent == len(data):
+            return True
+        self._unsent = data[sent:]
+        return False
+
+    def _at_once(self, call: Callable[[Any, int], Any], argument: Any) -> Any:
+        """``call(argument, MSG_DONTWAIT)`` on the socket: what it returns, or None if
+        the socket is not ready. A broken connection raises as py-amqp's reads and writes
+        do, and counts as disconnected."""
+        try:
+            return call(argument, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            if exc.errno not in _UNAVAILABLE:
+                self.connected = False
+            raise
+
+    def finish_write(self) -> None:
+        """Send what ``write_now`` left unsent, waiting for the socket as ``write`` does."""
+        if self._unsent:
+            self.write(b"")
 
     def _read(self, n: int, initial: bool = False,
               _errnos: tuple[int, ...] = (errno.EAGAIN, errno.EINTR)) -> bytes:

@@ -12,7 +12,7 @@ from .base import Capabilities, Driver, drain
 
 
 class AmqpDriver(Driver):
-    capabilities = Capabilities(push=True)
+    capabilities = Capabilities(push=True, acks_inline=True)
 
     def __init__(self, connection: Connection) -> None:
         super().__init__(connection)

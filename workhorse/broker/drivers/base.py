@@ -37,6 +37,10 @@ class Capabilities:
     #: The loop thread may send a take and read its answer when it comes, never waiting
     #: (Redis: a script on a connection of the channel's own). See ``BrokerLink``.
     takes_split: bool = False
+    #: The loop thread may write acks itself, never waiting (RabbitMQ: the frames
+    #: written to the socket without blocking, or else left to the broker thread). See
+    #: ``BrokerLink``.
+    acks_inline: bool = False
     #: No socket to watch: polled on a timer.
     polled: bool = False
 
