@@ -337,12 +337,12 @@ class BrokerLink:
         over, and that task starts in the next turn, not after the broker thread's. (Late
         acks alone go to the broker thread, which writes several turns' at once with the
         deliveries it reads: written here, one or two a write, they cost 0.94x the tasks
-        a second.) Only while the broker
-        thread is parked with nothing submitted to it (nothing is overtaken, and nothing
-        else writes on the connection), and only if the socket takes the frames at once;
-        else nothing is written (False) and the caller hands them to the broker thread. The
-        socket taking a part: the broker thread writes the rest before anything else, and
-        only then are they acked (``BrokerThread.submit_unsent``)."""
+        a second.) Only while the broker thread is parked with nothing submitted to it
+        (nothing is overtaken, and nothing else writes on the connection), and only if
+        the socket takes the frames at once; else nothing is written (False) and the
+        caller hands them to the broker thread. The socket taking a part: the broker
+        thread writes the rest before anything else, and only then are they acked
+        (``BrokerThread.submit_unsent``)."""
         acks = self._acks
         if not self.acks_here or all(ack.then is None for ack in acks):
             return False
