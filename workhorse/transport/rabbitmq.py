@@ -120,16 +120,23 @@ class Channel(pyamqp.Channel):
         frame buffer, a write per frame) at some 20 Python calls an ack; the broker thread
         acks a turn's tasks here at once. The connection's owner calls it, and no other
         thread writes on that connection (py-amqp's frame lock is not taken)."""
-        connection = self.connection
-        transport = connection.transport if connection is not None else None
+        transport = self._transport()
         if not tags:
             return
+        transport.write(self._ack_frames(tags))
+        self.connection.bytes_sent += 1    # what heartbeat_check counts: something was sent
+
+    def _transport(self) -> Any:
+        """The connection's transport; raises as ``basic_ack`` does if there is none."""
+        connection = self.connection
+        transport = connection.transport if connection is not None else None
         if transport is None:
             raise RecoverableConnectionError("connection already closed")
+        return transport
+
+    def _ack_frames(self, tags: Sequence[int]) -> bytes:
         pack, channel_id = _ACK_FRAME.pack, self.channel_id
-        transport.write(b"".join([pack(1, channel_id, 13, 60, 80, tag, 0, 0xCE)
-                                  for tag in tags]))
-        connection.bytes_sent += 1     # what heartbeat_check counts: something was sent
+        return b"".join([pack(1, channel_id, 13, 60, 80, tag, 0, 0xCE) for tag in tags])
 
     def ack_tags_now(self, tags: Sequence[int]) -> bool | None:
         """``ack_tags`` without waiting for the socket (another thread than the
@@ -138,18 +145,12 @@ class Channel(pyamqp.Channel):
         be written so, or its buffer is full), the owner is to ack them; False if they
         were written in part: the rest goes first in the transport's next write, and
         ``finish_write`` sends it. A connection that failed raises, as ``ack_tags``."""
-        connection = self.connection
-        transport = connection.transport if connection is not None else None
-        if transport is None:
-            raise RecoverableConnectionError("connection already closed")
-        write_now = getattr(transport, "write_now", None)
+        write_now = getattr(self._transport(), "write_now", None)
         if write_now is None or not tags:
             return None
-        pack, channel_id = _ACK_FRAME.pack, self.channel_id
-        written = write_now(b"".join([pack(1, channel_id, 13, 60, 80, tag, 0, 0xCE)
-                                      for tag in tags]))
+        written: bool | None = write_now(self._ack_frames(tags))
         if written is not None:
-            connection.bytes_sent += 1
+            self.connection.bytes_sent += 1
         return written
 
     def basic_publish_confirm(self, *args: Any, confirm_timeout: float | None = None,
