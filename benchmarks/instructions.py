@@ -18,6 +18,9 @@ times slower, so what happens once a second (timers, polls, heartbeats) weighs a
 60 times more a task than it does at full speed; compare commits with it, not brokers.
 ``--against DIR`` runs another checkout's worker (a git worktree of an earlier commit)
 in turn with this one, ``--repeat`` times each, and prints the ratio of the medians.
+``--children`` counts the pool's children instead: both, from their fork to their exit
+(the worker is stopped after ``--seconds``), over every task they ran: what a no-op
+task costs on the child's side, which shares the 2 cores with the supervisor.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from profile_supervisor import drain_parser, draining
@@ -45,6 +50,8 @@ def main() -> int:
     parser.add_argument("--against", type=Path,
                         help="also count the worker of the checkout in this directory")
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--children", action="store_true",
+                        help="count the pool's children, not the supervisor")
     args = parser.parse_args()
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("valgrind (with callgrind_control) is not installed", file=sys.stderr)
@@ -55,14 +62,15 @@ def main() -> int:
     counts: dict[str, list[float]] = {name: [] for name, _ in checkouts}
     for _ in range(args.repeat):
         for name, root in checkouts:
-            per_task, tasks = count(args, root)
+            per_task, tasks = (count_children if args.children else count)(args, root)
             counts[name].append(per_task)
             print(f"{name}: {per_task:,.0f} instructions a task ({tasks} tasks)", flush=True)
     medians = {name: statistics.median(values) for name, values in counts.items()}
     acks = "early" if args.acks_early else "late"
+    whose = "the children's" if args.children else "the supervisor's"
     for name, median in medians.items():
-        print(f"{args.broker}, acks {acks}, {name}: median {median:,.0f} instructions a "
-              f"task over {len(counts[name])} run(s)")
+        print(f"{args.broker}, acks {acks}, {name}: median {median:,.0f} of {whose} "
+              f"instructions a task over {len(counts[name])} run(s)")
     if args.against is not None:
         this, other = medians["this checkout"], medians[str(args.against)]
         print(f"this checkout / {args.against}: {this / other:.3f}")
@@ -93,6 +101,40 @@ def count(args: argparse.Namespace, root: Path | None) -> tuple[float, int]:
         leftover.unlink()
     done = max(done1 - done0, 1)
     return instructions / done, done
+
+
+def count_children(args: argparse.Namespace, root: Path | None) -> tuple[float, int]:
+    """One drain under callgrind, stopped (SIGTERM) after ``args.seconds``: the pool's
+    children's instructions from fork to exit, over the tasks finished. (callgrind_control
+    finds no child: their titles hide valgrind's command line. Each writes its counts as
+    it exits.)"""
+    out_dir = Path(os.environ.get("TMPDIR", "/tmp"))
+    # (a forked process inherits its parent's counts: zeroed as the fork returns in it)
+    prefix = ["valgrind", "--tool=callgrind", "--trace-children=no",
+              "--zero-before=PyOS_AfterFork_Child",
+              f"--callgrind-out-file={out_dir}/workhorse-callgrind.%p"]
+    with draining(args.broker, args.tasks, args.acks_early, prefix=prefix, root=root,
+                  startup=STARTUP) as (proc, counter):
+        children = [child.pid for child in psutil.Process(proc.pid).children()
+                    if child.name().startswith("workhorse: chil")]  # (its title, cut)
+        time.sleep(args.seconds)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(STARTUP)
+        done = counter.stat().st_size
+    if done >= args.tasks - 100:
+        print("warning: the queue ran dry; use more --tasks", file=sys.stderr)
+    instructions = 0
+    for pid in children:
+        path = out_dir / f"workhorse-callgrind.{pid}"
+        found = re.search(r"^(?:summary|totals):\s+(\d+)", path.read_text(errors="replace"),
+                          re.M)
+        if found is None:
+            raise RuntimeError(f"callgrind wrote no counts for child {pid}")
+        instructions += int(found.group(1))
+    for leftover in out_dir.glob("workhorse-callgrind.*"):
+        if int(leftover.name.split(".")[1]) in (proc.pid, *children):
+            leftover.unlink()
+    return instructions / max(done, 1), done
 
 
 def _window(out_dir: Path, pid: int) -> int:
