@@ -9,6 +9,9 @@ import struct
 import time
 import types
 from datetime import UTC, datetime
+from typing import Any
+
+import pytest
 
 from workhorse.daemon.loop import Loop
 from workhorse.daemon.signals import SignalPipe
@@ -148,6 +151,79 @@ def test_a_reader_removed_earlier_in_the_same_batch_is_not_called():
         for r, w in pipes:
             os.close(r)
             os.close(w)
+        loop.close()
+
+
+class CountingSelector:
+    """The loop's selector, its registrations counted (each is a system call)."""
+
+    def __init__(self, selector: Any) -> None:
+        self.inner, self.calls = selector, []
+
+    def register(self, fd: int, events: int, data: Any = None) -> Any:
+        self.calls.append(("register", fd))
+        return self.inner.register(fd, events, data)
+
+    def unregister(self, fd: int) -> Any:
+        self.calls.append(("unregister", fd))
+        return self.inner.unregister(fd)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_an_idle_reader_is_taken_back_without_registering_it_again():
+    loop = Loop()
+    counted = loop.selector = CountingSelector(loop.selector)  # type: ignore[assignment]
+    r, w = os.pipe()
+    called: list[str] = []
+    try:
+        loop.add_reader(r, lambda: called.append("read") or os.read(r, 10))
+        callback = loop._keys[r].data
+        loop.idle_reader(r)
+        loop.resume_reader(r, callback)
+        assert counted.calls == [("register", r)]
+        os.write(w, b"x")
+        loop.run_once(max_timeout=1)
+        assert called == ["read"]
+        # Another callback is not the idle one: it replaces it.
+        loop.idle_reader(r)
+        loop.resume_reader(r, lambda: called.append("other") or os.read(r, 10))
+        assert counted.calls == [("register", r), ("unregister", r), ("register", r)]
+        os.write(w, b"x")
+        loop.run_once(max_timeout=1)
+        assert called == ["read", "other"]
+    finally:
+        os.close(r)
+        os.close(w)
+        loop.close()
+
+
+def test_an_idle_readers_number_taken_by_a_new_file_goes_to_its_new_reader():
+    """The idle reader's file is closed (a connection another thread dropped) and its
+    number given to a new file: adding a reader for it replaces the idle one, and only
+    the owner's own reader is removed by ``remove_reader(fd, callback)``."""
+    loop = Loop()
+    r, w = os.pipe()
+    stale = lambda: None  # noqa: E731
+    loop.add_reader(r, stale)
+    loop.idle_reader(r)
+    os.close(r)
+    os.close(w)
+    r2, w2 = os.pipe()
+    called: list[bytes] = []
+    try:
+        assert r2 == r                  # (the lowest free number, as the kernel gives)
+        loop.add_reader(r2, lambda: called.append(os.read(r2, 10)))
+        loop.remove_reader(r2, stale)   # the old owner lets go of what is not its own
+        os.write(w2, b"x")
+        loop.run_once(max_timeout=1)
+        assert called == [b"x"]
+        with pytest.raises(KeyError):   # a reader that is not idle is never replaced
+            loop.add_reader(r2, stale)
+    finally:
+        os.close(r2)
+        os.close(w2)
         loop.close()
 
 

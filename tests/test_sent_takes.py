@@ -151,3 +151,77 @@ def test_an_unreadable_entry_met_by_the_loop_is_buried_by_the_broker_thread(redi
         it.turn_until(lambda: len(it.received) == 1, "the readable message")
     finally:
         it.redis.delete(dead)
+
+
+def _take_two(it: RedisLink) -> None:
+    """Two messages taken by the loop, then acked: a pipe begun and ended."""
+    before = len(it.received)
+    it.room(2)
+    it.turn_until(lambda: len(it.received) == before + 2 and it.link._pipe is None,
+                  "two messages")
+    for message in it.received[-2:]:
+        it.link.ack(message)
+    it.room(0)
+    it.link.flush()
+    it.turn_until(lambda: it.link._pipe is None and not it.link._acks, "their acks")
+
+
+def _channel(it: RedisLink) -> Any:
+    return it.link.thread.consumer.driver.channel
+
+
+def test_the_socket_stays_watched_between_takes_without_registering_it_again(redis_link):
+    """Each take sent here is a pipe of its own (each ack at start, with acks early): its
+    socket is not removed from the loop's selector and added again for each."""
+    it = redis_link
+    it.publish(6)
+    fd, sock = it.link._watching
+    registered: list[int] = []
+    register = it.loop.selector.register
+
+    def counted(fileobj: Any, events: int, data: Any = None) -> Any:
+        registered.append(fileobj)
+        return register(fileobj, events, data)
+
+    it.loop.selector.register = counted     # type: ignore[method-assign]
+    for _ in range(3):
+        _take_two(it)
+    assert registered == []
+    assert it.link._watching == (fd, sock) and fd in it.loop._idle
+
+
+def test_an_answer_on_the_watched_socket_between_takes_is_left_to_its_reader(redis_link):
+    """Between takes the connection is the broker thread's: an answer to its own call
+    wakes the loop (if the broker thread has not read it first), which stops watching
+    the socket, reads nothing of it, and watches it again with its next take."""
+    it = redis_link
+    it.publish(2)
+    fd, sock = it.link._watching
+    direct = _channel(it)._direct
+    with direct.lock:                   # a call of the broker thread's, as it makes one
+        direct.connection.send_command("PING")
+        it.turn_until(lambda: it.link._watching is None, "the loop to stop watching")
+        assert fd not in it.loop._keys
+        assert direct.connection.read_response() in (b"PONG", "PONG")     # left unread
+    it.room(2)
+    it.turn_until(lambda: len(it.received) == 2 and it.link._pipe is None, "the loop's take")
+    assert it.link._watching == (fd, sock) and it.loop._keys[fd].data == it.link._read_sent
+    assert it.link.thread.fetches_done == 1         # (the loop's, not the broker thread's)
+
+
+def test_a_new_socket_on_the_same_number_is_watched_anew(redis_link):
+    """The connection dropped and made again between takes: the idle registration was
+    of the old socket, which the kernel dropped with it; the new one is registered."""
+    it = redis_link
+    it.publish(4)
+    old_fd, old_sock = it.link._watching
+    _channel(it)._direct.connection.disconnect()
+    # The next take finds no socket to send on: the broker thread connects and takes;
+    # the one after is the loop's, on the new socket.
+    _take_two(it)
+    _take_two(it)
+    fd, sock = it.link._watching
+    assert sock is not old_sock and sock is _channel(it)._direct.connection._sock
+    assert fd == old_fd                 # (the lowest free number: the case that matters)
+    assert it.loop._keys[fd].data == it.link._read_sent
+    assert it.link.thread.fetches_done >= 2

@@ -82,6 +82,9 @@ class BrokerLink:
         self._out: deque[SentAcks] = deque()
         self._out_acks: deque[list[Ack]] = deque()
         self._pipe: Any = None
+        #: The fd and socket the loop watches for those answers: between takes too, as an
+        #: idle reader (see ``_watch``).
+        self._watching: tuple[int, Any] | None = None
         self._out_timer: Timer | None = None
         self._deferred = False
         self._sends_paused_until = 0.0
@@ -414,10 +417,35 @@ class BrokerLink:
         if pipe is None:
             self._pipe = sent.pipe
             self._out_timer = self.loop.call_later(SENT_TAKE_TIMEOUT, self._sent_late)
-            self.loop.add_reader(sent.pipe.fd, self._read_sent)
+            self._watch(sent.pipe)
         return True
 
+    def _watch(self, pipe: Any) -> None:
+        """Read ``pipe``'s answers when its socket is readable. The registration outlives
+        the pipe (``_end_pipe``), idle: the next take on the same socket, usually the
+        next turn's, takes it back without a system call (two a take, removed and added
+        again, where each ack at start is a take of its own). Another socket (a reconnect,
+        maybe on the same number): the old registration goes, if it is still ours."""
+        watching = (pipe.fd, pipe.sock)
+        if self._watching is not None and (
+                self._watching[0] == pipe.fd and self._watching[1] is pipe.sock):
+            self.loop.resume_reader(pipe.fd, self._read_sent)
+            return
+        self._unwatch()
+        self.loop.add_reader(pipe.fd, self._read_sent)
+        self._watching = watching
+
+    def _unwatch(self) -> None:
+        if self._watching is not None:
+            self.loop.remove_reader(self._watching[0], self._read_sent)
+            self._watching = None
+
     def _read_sent(self) -> None:
+        if self._pipe is None:
+            # Idle, and readable: the connection is the broker thread's again, and this is
+            # its answer (or the connection closing). Not ours to read: watched no more.
+            self._unwatch()
+            return
         consumer = self.thread.consumer
         try:
             answered = consumer.take_read(self._pipe, self._out)
@@ -463,7 +491,7 @@ class BrokerLink:
         if self._out_timer is not None:
             self._out_timer.cancel()
             self._out_timer = None
-        self.loop.remove_reader(self._pipe.fd)
+        self.loop.idle_reader(self._pipe.fd)
         self._pipe = None
 
     def _sent_late(self) -> None:
@@ -479,6 +507,7 @@ class BrokerLink:
         self._out.clear()
         self._out_acks.clear()
         self._end_pipe()
+        self._unwatch()             # (before its socket is closed)
         try:
             pipe.close()
         finally:

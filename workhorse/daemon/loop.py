@@ -39,20 +39,49 @@ class Loop:
         #: fd -> its key, as registered: looked up for every event (``dispatch``), where the
         #: selector's own mapping costs four Python calls a lookup.
         self._keys: dict[int, selectors.SelectorKey] = {}
+        #: Readers registered still, though their owners expect nothing of them for now
+        #: (``idle_reader``).
+        self._idle: set[int] = set()
         self._timers: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
         self._before_wait: list[Callback] = []
 
     # -- readers
     def add_reader(self, fd: int, callback: Callback) -> None:
+        if fd in self._idle:    # (its file was closed since, and the number taken again)
+            self.remove_reader(fd)
         self._keys[fd] = self.selector.register(fd, selectors.EVENT_READ, callback)
 
-    def remove_reader(self, fd: int) -> None:
+    def remove_reader(self, fd: int, callback: Callback | None = None) -> None:
+        """``callback``: only if ``fd``'s reader is still that one."""
+        key = self._keys.get(fd)
+        if callback is not None and (key is None or key.data != callback):
+            return
+        self._idle.discard(fd)
         self._keys.pop(fd, None)
         try:
             self.selector.unregister(fd)
         except (KeyError, ValueError):
             pass
+
+    def idle_reader(self, fd: int) -> None:
+        """The reader of ``fd`` expects nothing for a while, but stays registered: taken
+        back by ``resume_reader``, it costs no system call (two, removed and added). An
+        event on it still calls it (it should remove itself then: the selector reports
+        a readable fd again and again), and ``add_reader`` for the same number replaces
+        it (its file may be closed meanwhile, and the number given to another)."""
+        if fd in self._keys:
+            self._idle.add(fd)
+
+    def resume_reader(self, fd: int, callback: Callback) -> None:
+        """``add_reader``, where ``callback`` is ``fd``'s idle reader still: taken back as
+        it is. Only for a file that was not closed since ``idle_reader``: a new file on
+        the same number is not in the selector's kernel set, whatever the loop holds."""
+        key = self._keys.get(fd)
+        if fd in self._idle and key is not None and key.data == callback:
+            self._idle.discard(fd)
+            return
+        self.add_reader(fd, callback)
 
     def add_writer(self, fd: int, callback: Callback) -> None:
         """Call ``callback`` whenever ``fd`` can be written (a fd the loop does not read)."""

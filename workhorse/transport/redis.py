@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import ssl
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -720,7 +721,7 @@ class Channel(redis.Channel):
                 return None         # (a timeout makes the socket non-blocking underneath)
             if not self._direct.lock.acquire(blocking=False):
                 return None
-            pipe = TakePipe(self, connection, sock.fileno())
+            pipe = TakePipe(self, connection, sock)
         elif pipe.closed:
             return None
         try:
@@ -801,8 +802,11 @@ class TakePipe:
     when it is readable. The connection is the pipe's alone (the channel's lock is held)
     until every answer is read, or it is closed."""
 
-    def __init__(self, channel: Channel, connection: Any, fd: int) -> None:
-        self.channel, self.connection, self.fd = channel, connection, fd
+    def __init__(self, channel: Channel, connection: Any, sock: socket.socket) -> None:
+        #: ``sock``, the connection's socket as the pipe began: another one (a reconnect)
+        #: may have the same number, never the same object.
+        self.channel, self.connection, self.sock = channel, connection, sock
+        self.fd = sock.fileno()
         self.reader = hiredis.Reader()
         self.out: deque[SentTake] = deque()
         self.closed = False
