@@ -227,6 +227,28 @@ def test_an_idle_readers_number_taken_by_a_new_file_goes_to_its_new_reader():
         loop.close()
 
 
+def test_an_idle_readers_number_taken_by_a_pipe_to_write_goes_to_its_writer():
+    """As a child's pipe that filled up is watched for room (``add_writer``)."""
+    loop = Loop()
+    r, w = os.pipe()
+    loop.add_reader(r, lambda: None)
+    loop.idle_reader(r)
+    other_r, other_w = os.pipe()
+    os.close(r)
+    os.close(w)
+    write_end = os.dup(other_w)         # the lowest free number: the idle reader's
+    called: list[str] = []
+    try:
+        assert write_end == r
+        loop.add_writer(write_end, lambda: called.append("room"))
+        loop.run_once(max_timeout=1)
+        assert called == ["room"]
+    finally:
+        for fd in (other_r, other_w, write_end):
+            os.close(fd)
+        loop.close()
+
+
 # ---------------------------------------------------------------- a stream that breaks
 def _reader_fed(data: bytes) -> tuple[FrameReader, int, int]:
     r, w = os.pipe()

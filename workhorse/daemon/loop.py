@@ -48,9 +48,12 @@ class Loop:
 
     # -- readers
     def add_reader(self, fd: int, callback: Callback) -> None:
+        self._register(fd, selectors.EVENT_READ, callback)
+
+    def _register(self, fd: int, events: int, callback: Callback) -> None:
         if fd in self._idle:    # (its file was closed since, and the number taken again)
             self.remove_reader(fd)
-        self._keys[fd] = self.selector.register(fd, selectors.EVENT_READ, callback)
+        self._keys[fd] = self.selector.register(fd, events, callback)
 
     def remove_reader(self, fd: int, callback: Callback | None = None) -> None:
         """``callback``: only if ``fd``'s reader is still that one."""
@@ -68,8 +71,8 @@ class Loop:
         """The reader of ``fd`` expects nothing for a while, but stays registered: taken
         back by ``resume_reader``, it costs no system call (two, removed and added). An
         event on it still calls it (it should remove itself then: the selector reports
-        a readable fd again and again), and ``add_reader`` for the same number replaces
-        it (its file may be closed meanwhile, and the number given to another)."""
+        a readable fd again and again), and a reader or writer added for the same number
+        replaces it (its file may be closed meanwhile, and the number given to another)."""
         if fd in self._keys:
             self._idle.add(fd)
 
@@ -85,7 +88,7 @@ class Loop:
 
     def add_writer(self, fd: int, callback: Callback) -> None:
         """Call ``callback`` whenever ``fd`` can be written (a fd the loop does not read)."""
-        self._keys[fd] = self.selector.register(fd, selectors.EVENT_WRITE, callback)
+        self._register(fd, selectors.EVENT_WRITE, callback)
 
     def remove_writer(self, fd: int) -> None:
         self.remove_reader(fd)
