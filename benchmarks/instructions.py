@@ -81,9 +81,7 @@ def count(args: argparse.Namespace, root: Path | None) -> tuple[float, int]:
     """One drain under callgrind (the worker of checkout ``root``, or this one's): the
     supervisor's instructions a task, and the tasks counted."""
     broker, tasks, acks_early, seconds = args.broker, args.tasks, args.acks_early, args.seconds
-    out_dir = Path(os.environ.get("TMPDIR", "/tmp"))
-    prefix = ["valgrind", "--tool=callgrind", "--trace-children=no",
-              f"--callgrind-out-file={out_dir}/workhorse-callgrind.%p"]
+    out_dir, prefix = _callgrind()
     with draining(broker, tasks, acks_early, prefix=prefix, root=root,
                   startup=STARTUP) as (proc, counter):
         subprocess.run(["callgrind_control", "--zero", str(proc.pid)], check=True,
@@ -97,8 +95,7 @@ def count(args: argparse.Namespace, root: Path | None) -> tuple[float, int]:
             print("warning: the queue ran dry; use more --tasks", file=sys.stderr)
         instructions = _window(out_dir, proc.pid)
         proc.send_signal(signal.SIGKILL)
-    for leftover in out_dir.glob(f"workhorse-callgrind.{proc.pid}*"):
-        leftover.unlink()
+    _remove_counts(out_dir, [proc.pid])
     done = max(done1 - done0, 1)
     return instructions / done, done
 
@@ -108,11 +105,8 @@ def count_children(args: argparse.Namespace, root: Path | None) -> tuple[float, 
     children's instructions from fork to exit, over the tasks finished. (callgrind_control
     finds no child: their titles hide valgrind's command line. Each writes its counts as
     it exits.)"""
-    out_dir = Path(os.environ.get("TMPDIR", "/tmp"))
     # (a forked process inherits its parent's counts: zeroed as the fork returns in it)
-    prefix = ["valgrind", "--tool=callgrind", "--trace-children=no",
-              "--zero-before=PyOS_AfterFork_Child",
-              f"--callgrind-out-file={out_dir}/workhorse-callgrind.%p"]
+    out_dir, prefix = _callgrind("--zero-before=PyOS_AfterFork_Child")
     with draining(args.broker, args.tasks, args.acks_early, prefix=prefix, root=root,
                   startup=STARTUP) as (proc, counter):
         children = [child.pid for child in psutil.Process(proc.pid).children()
@@ -125,16 +119,33 @@ def count_children(args: argparse.Namespace, root: Path | None) -> tuple[float, 
         print("warning: the queue ran dry; use more --tasks", file=sys.stderr)
     instructions = 0
     for pid in children:
-        path = out_dir / f"workhorse-callgrind.{pid}"
-        found = re.search(r"^(?:summary|totals):\s+(\d+)", path.read_text(errors="replace"),
-                          re.M)
+        found = _total((out_dir / f"workhorse-callgrind.{pid}").read_text(errors="replace"))
         if found is None:
             raise RuntimeError(f"callgrind wrote no counts for child {pid}")
-        instructions += int(found.group(1))
-    for leftover in out_dir.glob("workhorse-callgrind.*"):
-        if int(leftover.name.split(".")[1]) in (proc.pid, *children):
-            leftover.unlink()
+        instructions += found
+    _remove_counts(out_dir, [proc.pid, *children])
     return instructions / max(done, 1), done
+
+
+def _callgrind(*options: str) -> tuple[Path, list[str]]:
+    """Where callgrind writes its counts (a file a process), and the command that runs
+    the worker under it."""
+    out_dir = Path(os.environ.get("TMPDIR", "/tmp"))
+    return out_dir, ["valgrind", "--tool=callgrind", "--trace-children=no", *options,
+                     f"--callgrind-out-file={out_dir}/workhorse-callgrind.%p"]
+
+
+def _total(text: str) -> int | None:
+    """The instructions a callgrind file counts."""
+    found = re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M)
+    return None if found is None else int(found.group(1))
+
+
+def _remove_counts(out_dir: Path, pids: list[int]) -> None:
+    for pid in pids:
+        for leftover in [*out_dir.glob(f"workhorse-callgrind.{pid}"),
+                         *out_dir.glob(f"workhorse-callgrind.{pid}.*")]:
+            leftover.unlink()
 
 
 def _window(out_dir: Path, pid: int) -> int:
@@ -143,9 +154,9 @@ def _window(out_dir: Path, pid: int) -> int:
         text = path.read_text(errors="replace")
         if re.search(r"^desc: Trigger: .*window", text, re.M) is None:
             continue
-        found = re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M)
+        found = _total(text)
         if found is not None:
-            return int(found.group(1))
+            return found
     raise RuntimeError(f"callgrind wrote no dump named window for process {pid}")
 
 
