@@ -11,10 +11,9 @@ import time
 import traceback
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from datetime import datetime
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from functools import cached_property, partial
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..canvas import signature
 from ..chords import call_errbacks, chord_part_return, fail_chain
@@ -58,8 +57,9 @@ class Interrupted(BaseException):
         self.detail = detail
 
 
-@dataclass(frozen=True)
-class Finished:
+class Finished(NamedTuple):
+    """How a job ended, for its Done frame (a named tuple: one is made for every task)."""
+
     outcome: Outcome
     detail: str | None = None
     runtime: float | None = None
@@ -132,11 +132,7 @@ class TaskExecution:
             chain=embed.get("chain"), chord=embed.get("chord"),
             schedule=request.headers.get(SCHEDULE_HEADER),
             nominal_time=_nominal_time(request.headers.get(NOMINAL_HEADER)))
-        self.info: dict[str, Any] = {
-            "task": job.task, "args": args, "kwargs": kwargs, "hostname": self.hostname,
-            "retries": request.retries, "group": request.group, "parent_id": request.parent_id,
-            "delivery_info": job.delivery_info,
-            **reply_of(job.properties)}
+        self.request, self.arguments = request, (args, kwargs)
         self.store = not task.ignores_result(request.ignore_result)
         task.push_request(self.context)
         try:
@@ -158,6 +154,16 @@ class TaskExecution:
             task.pop_request()
         self._end_claim(finished)
         return finished
+
+    @cached_property
+    def info(self) -> dict[str, Any]:
+        """The request as the result store records it beside a state (made only where one
+        is stored)."""
+        job, request, (args, kwargs) = self.job, self.request, self.arguments
+        return {"task": job.task, "args": args, "kwargs": kwargs,
+                "hostname": self.hostname, "retries": request.retries, "group": request.group,
+                "parent_id": request.parent_id, "delivery_info": job.delivery_info,
+                **reply_of(job.properties)}
 
     # ------------------------------------------------------------------ duplicates
     def _already_done(self, request: Request) -> Finished | None:
@@ -267,8 +273,11 @@ class TaskExecution:
             except ResultEncodeError as exc:
                 log.error("Task %s returned a value that cannot be stored: %s", self.label, exc)
                 return self._failed(exc, None, runtime)
-        shown = safe_repr(retval)
-        log.info("Task %s succeeded in %.3fs: %.200s", self.label, runtime, shown)
+        shown = None
+        # (a return value's repr, which may be long in the making, only where it is read)
+        if self.job.events or log.isEnabledFor(logging.INFO):
+            shown = safe_repr(retval)
+            log.info("Task %s succeeded in %.3fs: %.200s", self.label, runtime, shown)
         return self._continue(retval) or Finished(
             Outcome.SUCCEEDED, runtime=runtime, result=shown if self.job.events else None)
 

@@ -27,9 +27,9 @@ def effective_limit(*candidates: float | None) -> float | None:
 class SoftLimit:
     """Raises SoftTimeLimitExceeded in task code, and only there.
 
-    The handler is installed for the child's life but does nothing unless armed; it is
-    armed only around the task body, so a SIGUSR1 that arrives while the child reads a job
-    or writes a result is ignored (and while writing, the signal is blocked anyway).
+    The handler is installed for the child's life but does nothing unless ``armed``; it
+    is armed only around the task body (``ChildRuntime.running_task``), so a SIGUSR1 that
+    arrives while the child reads a job or writes a result is ignored.
     """
 
     def __init__(self) -> None:
@@ -42,14 +42,6 @@ class SoftLimit:
         if self.armed:
             self.armed = False
             raise SoftTimeLimitExceeded()
-
-    @contextlib.contextmanager
-    def armed_around_task(self) -> Iterator[None]:
-        self.armed = True
-        try:
-            yield
-        finally:
-            self.armed = False
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ import signal
 import sys
 import traceback
 from collections import deque
-from collections.abc import Iterator
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 import setproctitle
@@ -68,6 +68,7 @@ class ChildRuntime:
         #: Shared with the supervisor: the event loop's beats, and whose code runs on it.
         self.heart = heart or Heart()
         self._session: AsyncSession | None = None
+        self._around_task = AroundTask(self)
 
     # -- setup
     def setup(self, close_fds: list[int]) -> None:
@@ -125,20 +126,11 @@ class ChildRuntime:
                 os.dup2(devnull, fd)
         os.close(devnull)
 
-    @contextlib.contextmanager
-    def running_task(self) -> Iterator[None]:
+    def running_task(self) -> AroundTask:
         """Around the task body: the soft limit is armed, and a process the task forked
         exits the moment the task returns or raises in it, before anything is stored,
         reported or called back; the child alone finishes the job."""
-        try:
-            with self.soft_limit.armed_around_task():
-                yield
-        except BaseException as exc:
-            if os.getpid() != self.pid:
-                self.exit_forked_copy(exc)
-            raise
-        if os.getpid() != self.pid:
-            self.exit_forked_copy(None)
+        return self._around_task
 
     def exit_forked_copy(self, exc: BaseException | None) -> None:
         """Exit the forked copy as a plain Python process would: 0 for a return, the
@@ -224,6 +216,26 @@ class ChildRuntime:
             return int(os.pread(self._statm, 64, 0).split()[1]) * PAGE_SIZE
         except (OSError, ValueError, IndexError):
             return 0
+
+
+class AroundTask:
+    """``ChildRuntime.running_task``: one object for every task, a class rather than a
+    generator (entered and left once a task)."""
+
+    __slots__ = ("runtime",)
+
+    def __init__(self, runtime: ChildRuntime) -> None:
+        self.runtime = runtime
+
+    def __enter__(self) -> None:
+        self.runtime.soft_limit.armed = True
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        runtime = self.runtime
+        runtime.soft_limit.armed = False
+        if os.getpid() != runtime.pid:
+            runtime.exit_forked_copy(exc)
 
 
 def child_main(runtime: ChildRuntime, close_fds: list[int]) -> None:
