@@ -24,5 +24,7 @@ celery_app.conf.update(
     # and consumes it with a per-consumer prefetch
     task_default_queue_type=os.environ.get("BENCH_QUEUE_TYPE", "classic"),
     task_create_missing_queue_type=os.environ.get("BENCH_QUEUE_TYPE", "classic"))
+if os.environ.get("BENCH_MASTER_NAME"):      # --broker sentinel: a sentinel list
+    celery_app.conf.broker_transport_options = {"master_name": os.environ["BENCH_MASTER_NAME"]}
 for _name, _body in TASKS.items():
     celery_app.task(name=_name)(_body)

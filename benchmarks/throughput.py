@@ -13,6 +13,7 @@ second on the same broker, in one run.
     python benchmarks/throughput.py --against ../base  # also workhorse as another checkout
                                                        # has it (before/after, one run)
     python benchmarks/throughput.py --broker quorum    # RabbitMQ with quorum queues
+    python benchmarks/throughput.py --broker sentinel  # Redis Sentinel, a set of its own
 
 Every worker gets the same pre-filled queue (Celery's protocol; Dramatiq's own for
 Dramatiq), concurrency and prefetch multiplier 4, ack mode (late acks unless
@@ -35,7 +36,10 @@ middleware and prefetch; it is skipped where it is not installed (pip install
 which it does not declare. ``quorum`` is the RabbitMQ server with the run's queue a quorum
 queue: workhorse with ``queue_type = quorum``, Celery with ``task_default_queue_type =
 "quorum"`` (Celery 5.5+ then gives each consumer its own prefetch); --against checkouts
-are skipped there.
+are skipped there. ``sentinel`` is a Redis Sentinel set the run starts for itself
+(``tests/redis_sentinel.py``: a master, a replica, three sentinels, on ports of their
+own), every worker given the sentinels and the master's name; its server CPU is that of
+all five processes (the replica copies every write).
 """
 from __future__ import annotations
 
@@ -55,7 +59,9 @@ import time
 import urllib.request
 import uuid
 from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 from kombu import Connection, Producer
@@ -66,12 +72,14 @@ sys.path.insert(0, str(ROOT))
 import workhorse  # noqa: E402,F401 - registers sqlite://
 from workhorse.protocol import build_message  # noqa: E402
 from workhorse.broker.queues import ensure_queue  # noqa: E402
+from workhorse.urls import sentinels, split_master_name  # noqa: E402
 
 BROKERS = {
     "sqlite": None,   # a file in the run's temp dir
     "redis": "redis://127.0.0.1:6379/3",
     "amqp": "amqp://guest:guest@127.0.0.1:5672//",
     "quorum": "amqp://guest:guest@127.0.0.1:5672//",     # the run's queue a quorum queue
+    "sentinel": None,   # a Sentinel set of the run's own, started by main()
 }
 #: Where --results stores them: the SQLite file beside the SQLite broker, else Redis.
 RESULTS = {BROKERS[name]: "redis://127.0.0.1:6379/4" for name in ("redis", "amqp")}
@@ -108,11 +116,30 @@ class Run:
         return (self.tasks - 1) / self.seconds
 
 
+def connection(url: str) -> Connection:
+    """A kombu connection to ``url``; a sentinel list's ``?master_name=`` (workhorse's
+    form) becomes the transport option kombu and Celery read it from."""
+    bare, master_name = split_master_name(url)
+    return Connection(bare, transport_options={"master_name": master_name} if master_name
+                      else {})
+
+
+def redis_client(url: str) -> Any:
+    """A redis-py client of ``url``'s database (of the master, for a sentinel list)."""
+    import redis
+    if url.startswith("sentinel://"):
+        from redis.sentinel import Sentinel
+        found = sentinels(url)
+        name = split_master_name(url)[1]
+        return Sentinel(list(found.addresses)).master_for(name, db=found.db)
+    return redis.Redis.from_url(url)
+
+
 def fill(url: str, queue: str, task: str, args: list, count: int,
          results: bool = False, queue_type: str = "classic") -> None:
     """``count`` messages in Celery's protocol v2, as a Celery client sends them; their
     ``ignore_result`` header is set unless ``results`` (both workers honour it)."""
-    with Connection(url) as conn:
+    with connection(url) as conn:
         ensure_queue(conn, queue, queue_type)
         reply_to = ""
         if results and RESULTS_URL == ["rpc://"]:    # a queue for the states to go to
@@ -143,13 +170,12 @@ def drop(url: str, queue: str) -> None:
     at the end of a run leaves the leases of what it held in kombu's shared ``unacked``
     keys, and every later run's sweep would spend its time putting them back. The Redis
     results database (--results) goes too."""
-    import redis
     if url in RESULTS:
-        redis.Redis.from_url(RESULTS[url]).flushdb()
-    if url == BROKERS["redis"]:
-        redis.Redis.from_url(url).flushdb()
+        redis_client(RESULTS[url]).flushdb()
+    if url == BROKERS["redis"] or url.startswith("sentinel://"):
+        redis_client(url).flushdb()
         return
-    with Connection(url) as conn:
+    with connection(url) as conn:
         for name in (queue, f"{queue}.DQ", f"{queue}.XQ", queue + REPLIES):  # Dramatiq's too
             try:
                 ensure_queue(conn, name)(conn.default_channel).delete()
@@ -212,7 +238,8 @@ def measure(kind: str, broker: str, url: str, task_set: str, count: int, concurr
                WORKHORSE_STATE_DIR=str(workdir / "state"), WORKHORSE_PREFETCH_MULTIPLIER="4",
                WORKHORSE_ACKS_LATE=str(acks_late).lower(),
                BENCH_ACKS_LATE=str(acks_late).lower(),
-               CELERY_BROKER_URL=url, DRAMATIQ_BROKER_URL=url)
+               CELERY_BROKER_URL=split_master_name(url)[0], DRAMATIQ_BROKER_URL=url,
+               BENCH_MASTER_NAME=split_master_name(url)[1] or "")
     if broker in QUEUE_TYPES:       # (only then: a checkout before queue_type refuses it)
         env.update(WORKHORSE_QUEUE_TYPE=QUEUE_TYPES[broker], BENCH_QUEUE_TYPE=QUEUE_TYPES[broker])
     if results:
@@ -279,11 +306,19 @@ def _cpu(process: psutil.Process) -> float:
 
 #: The broker servers' process names, for their CPU per task.
 SERVERS = {"redis": "redis-server", "amqp": "beam.smp", "quorum": "beam.smp"}
+#: The processes of a server set the run started (broker -> pids): their CPU is summed.
+SERVER_PIDS: dict[str, list[int]] = {}
 
 
 def server_cpu(broker: str) -> float:
     """CPU seconds the broker's server process has used so far (0 if not found: SQLite,
-    or a server this machine does not run)."""
+    or a server this machine does not run); a set's processes summed."""
+    if broker in SERVER_PIDS:
+        total = 0.0
+        for pid in SERVER_PIDS[broker]:
+            with contextlib.suppress(psutil.Error):
+                total += _cpu(psutil.Process(pid))
+        return total
     name = SERVERS.get(broker)
     for process in psutil.process_iter(["name"]) if name else ():
         try:
@@ -375,6 +410,9 @@ def main() -> int:
         CHECKOUTS[f"workhorse@{checkout.resolve().name}"[:18]] = checkout.resolve()
     dramatiq = importlib.util.find_spec("dramatiq") is not None
     brokers = args.broker or ["sqlite", "redis", "amqp"]
+    if args.results and "sentinel" in brokers:
+        parser.error("--results cannot be used with --broker sentinel: results are not "
+                     "stored through the sentinels here (run --broker redis for them)")
     sets = args.sets or ["noop", "sleep"]
     modes = ["early"] if args.acks_early else (["late", "early"] if args.acks == "both"
                                                else [args.acks])
@@ -388,14 +426,16 @@ def main() -> int:
           "each worker once a round in turn (a ratio: the median of the rounds' ratios)")
     if not dramatiq:
         print("(Dramatiq is not installed: pip install 'dramatiq[redis,rabbitmq]')")
-    print(f"{'broker':7} {'set':6} {'acks':5} {'worker':18} {'tasks/s':>8} {'ratio':>6} "
+    print(f"{'broker':8} {'set':6} {'acks':5} {'worker':18} {'tasks/s':>8} {'ratio':>6} "
           f"{'main CPU/task':>14} {'(main thread)':>14} {'pool CPU/task':>14} {'main RSS':>9} "
           f"{'child RSS':>10} {'server CPU/task':>16} {'USS':>9} {'limit/s':>8} "
           f"{'of limit':>8}")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as servers:
         workdir = Path(tmp)
         for broker in brokers:
             url = BROKERS[broker] or f"sqlite:///{workdir / 'broker.sqlite3'}"
+            if broker == "sentinel":
+                url = servers.enter_context(sentinel_set(workdir / "sentinel"))
             # Celery stores SQLite results through SQLAlchemy, Dramatiq none here.
             celery = not (args.results and broker == "sqlite"
                           and importlib.util.find_spec("sqlalchemy") is None)
@@ -406,7 +446,8 @@ def main() -> int:
                 ["workhorse+metrics"] if args.metrics else []) + (
                 ["workhorse+one-thread"] if args.one_thread else []) + (
                 ["celery"] if celery else []) + (
-                ["dramatiq"] if dramatiq and broker in ("redis", "amqp") and not args.results
+                ["dramatiq"] if dramatiq and broker in ("redis", "amqp", "sentinel")
+                and not args.results
                 else [])
             if args.only:
                 kinds = [k for k in kinds if re.split("[+@]", k)[0] in args.only]
@@ -436,6 +477,25 @@ def main() -> int:
     return 0
 
 
+@contextlib.contextmanager
+def sentinel_set(base: Path) -> Iterator[str]:
+    """A Redis Sentinel set of the run's own, up until the run ends: its URL in workhorse's
+    form (database 3, as the shared Redis's runs use), its processes' CPU the server's."""
+    from tests.redis_sentinel import SentinelSet, available
+    why = available()
+    if why:
+        raise SystemExit(f"--broker sentinel: cannot start a Sentinel set here: {why}")
+    found = SentinelSet(base)
+    try:
+        found.up()
+        SERVER_PIDS["sentinel"] = [i.process.pid for i in (*found.servers, *found.sentinels)
+                                   if i.process is not None]
+        yield f"{found.urls(3)}?master_name={found.master_name}"
+    finally:
+        SERVER_PIDS.pop("sentinel", None)
+        found.down()
+
+
 def report(broker: str, task_set: str, mode: str,
            rounds: dict[str, list[Run | None]]) -> None:
     """One line per worker kind: medians; the ratio is workhorse's rate over its, the
@@ -445,7 +505,7 @@ def report(broker: str, task_set: str, mode: str,
     ours = rounds.get("workhorse", [])
     for kind, runs in results.items():
         if not runs:
-            print(f"{broker:7} {task_set:6} {mode:5} {kind:18} {'failed':>8}")
+            print(f"{broker:8} {task_set:6} {mode:5} {kind:18} {'failed':>8}")
             continue
         rate = rates[kind]
         paired = [a.rate / b.rate for a, b in zip(ours, rounds[kind], strict=True)
@@ -462,7 +522,7 @@ def report(broker: str, task_set: str, mode: str,
         # and the broker server and the pool's CPU a task were all there was to pay.
         limit = (os.cpu_count() or 1) / ((server + pool_cpu) / 1e6) if server + pool_cpu else 0
         share = f"{rate / limit:7.0%}" if limit else ""
-        print(f"{broker:7} {task_set:6} {mode:5} {kind:18} {rate:8.0f} {ratio:>6} "
+        print(f"{broker:8} {task_set:6} {mode:5} {kind:18} {rate:8.0f} {ratio:>6} "
               f"{main_cpu:11.0f} µs {thread_cpu:11.0f} µs {pool_cpu:11.0f} µs "
               f"{main_rss:6.1f} MB {child_rss:7.1f} MB {server:13.0f} µs {uss:6.1f} MB "
               f"{limit:8.0f} {share:>8}")
