@@ -1,10 +1,11 @@
 """On RabbitMQ the loop thread writes a turn's acks itself when one of them is an ack at
-start (its task waits for it), while the broker thread is parked and the socket takes them
-at once (BrokerLink._ack_here): that task starts in the next turn, no thread woken. Late
-acks alone go to the broker thread, which writes them with the deliveries it reads. The
-broker thread busy, or the socket full: they are handed to it, as before. The socket
-taking a part: the broker thread sends the rest before anything else, and only then are
-they acked."""
+start (its task waits for it), or while it reads the deliveries itself (the broker thread
+lent it the reading: tests/test_amqp_reads_here.py), and the broker thread is parked and
+the socket takes them at once (BrokerLink._ack_here): that task starts in the next turn,
+no thread woken. Late acks alone, while the broker thread reads the deliveries, go to it:
+it writes them with the deliveries it reads. The broker thread busy, or the socket full:
+they are handed to it, as before. The socket taking a part: the broker thread sends the
+rest before anything else, and only then are they acked."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -12,20 +13,17 @@ from typing import Any
 
 import pytest
 
-from workhorse.broker import thread as broker_thread
-
-from .conftest import BrokerEnv, make_broker, wait_until
-from .links import LinkHarness
+from .conftest import BrokerEnv
+from .links import AmqpLinkHarness, ShapedSocket, on_rabbitmq
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.broker("amqp")]
 
 
-class AmqpLink(LinkHarness):
+class AmqpLink(AmqpLinkHarness):
     """The harness on RabbitMQ; the acks it hands the broker thread are counted."""
 
     def __init__(self, broker: BrokerEnv) -> None:
-        super().__init__(broker.url, broker.queue)
-        self.broker = broker
+        super().__init__(broker)
         self.outcomes: list[BaseException | None] = []
         self.handed: list[int] = []         # acks handed to the broker thread
         submit = self.link.thread.submit_acks
@@ -43,32 +41,20 @@ class AmqpLink(LinkHarness):
         for message in self.received:
             self.link.ack_then(message, self.outcomes.append)
 
-    @property
-    def transport(self) -> Any:
-        return self.link.thread.consumer.connection.connection.transport
+    def read_by_the_broker_thread(self) -> None:
+        """The reading of the deliveries taken back by the broker thread, and not lent
+        again."""
+        self.link.thread.lend_reads = None
+        self.link._reads_back()
+        self.turn_until(lambda: self.link.thread._lent is None and self.parked(),
+                        "the broker thread to read the deliveries again")
 
-    def settled_at_the_server(self) -> None:
-        """Once the connection is closed, nothing came back: every ack was taken."""
-        self.link.close(5)
-        wait_until(lambda: self.broker.queue_size() == 0, 5, "an empty queue")
-        assert self.broker.drain(self.broker.queue) == []
 
 
 @pytest.fixture
 def amqp_link(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[AmqpLink]:
-    # The loop thread writes only while the broker thread is parked: its idle turns would
-    # now and then be under way when a test acks.
-    monkeypatch.setattr(broker_thread, "IDLE_TURN", 3600.0)
-    broker = make_broker("amqp", tmp_path)
-    it = AmqpLink(broker)
-    it.publish(0)                      # the queue exists before it connects
-    it.start()
-    it.link.set_credit(8)
-    try:
+    with on_rabbitmq(AmqpLink, tmp_path, monkeypatch) as it:
         yield it
-    finally:
-        it.link.close(5)
-        broker.cleanup()
 
 
 def test_on_rabbitmq_the_loop_writes_acks_at_start_and_their_tasks_start_next_turn(
@@ -96,28 +82,11 @@ def test_with_the_broker_thread_busy_the_acks_are_handed_to_it(amqp_link):
     it.settled_at_the_server()
 
 
-class Narrow:
-    """The connection's socket, taking ``room`` bytes at most without waiting."""
-
-    def __init__(self, sock: Any, room: int) -> None:
-        self.sock, self.room = sock, room
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.sock, name)
-
-    def send(self, data: bytes, flags: int = 0) -> int:
-        if self.room == 0:
-            raise BlockingIOError(11, "full")
-        sent: int = self.sock.send(data[:self.room], flags)
-        self.room -= sent
-        return sent
-
-
 def test_acks_written_in_part_are_finished_by_the_broker_thread_before_they_count(amqp_link):
     it = amqp_link
     it.deliveries(3)
     transport = it.transport
-    transport.sock = Narrow(transport.sock, room=30)     # a frame and a half
+    transport.sock = ShapedSocket(transport.sock, room=30)     # a frame and a half
     it.ack_at_start()
     it.link.flush()
     assert it.handed == []                  # not handed: written in part, the rest kept
@@ -131,7 +100,7 @@ def test_a_full_socket_leaves_the_acks_to_the_broker_thread(amqp_link):
     it = amqp_link
     it.deliveries(2)
     transport = it.transport
-    transport.sock = Narrow(transport.sock, room=0)
+    transport.sock = ShapedSocket(transport.sock, room=0)
     it.ack_at_start()
     it.link.flush()
     assert it.handed == [2]
@@ -140,10 +109,11 @@ def test_a_full_socket_leaves_the_acks_to_the_broker_thread(amqp_link):
     it.settled_at_the_server()
 
 
-def test_late_acks_alone_go_to_the_broker_thread_together(amqp_link):
+def test_late_acks_alone_go_to_the_broker_thread_together_while_it_reads(amqp_link):
     """Written here, a turn's late acks went out one or two a write, where the broker
     thread writes several turns' at once (measured: 0.94x the tasks a second)."""
     it = amqp_link
+    it.read_by_the_broker_thread()
     it.deliveries(4)
     for message in it.received:
         it.link.ack(message)
@@ -162,3 +132,15 @@ def test_late_acks_go_with_an_ack_at_start_in_one_write(amqp_link):
     it.link.flush()
     assert it.handed == [] and all(m.acknowledged for m in it.received)
     it.settled_at_the_server()
+
+
+def test_while_the_loop_reads_the_deliveries_late_acks_are_written_here_too(amqp_link):
+    it = amqp_link
+    it.deliveries(4)
+    assert it.link._reading[0] >= 0         # the reading is lent to the loop thread
+    for message in it.received:
+        it.link.ack(message)
+    it.link.set_room(8)                     # the end of the turn: RabbitMQ's acks go
+    assert it.handed == [] and all(m.acknowledged for m in it.received)
+    it.settled_at_the_server()
+

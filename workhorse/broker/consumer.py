@@ -648,6 +648,26 @@ class BrokerConsumer:
                 message._state = "ACK"
         return written
 
+    def read_now(self) -> bool | None:
+        """Deliver what the connection's socket holds now, never waiting (the loop thread
+        calls it while the broker thread is parked): RabbitMQ's frames, each handed over
+        once it is in whole. True: done (perhaps nothing was there); None: nothing was
+        read (another broker, TLS, a socket with a timeout of its own, no connection, or
+        a connection found lost, which is reported as the broker thread reports it), and
+        the broker thread is to read."""
+        driver = self.driver
+        if driver is None or not (self.consuming and driver.capabilities.reads_inline):
+            return None
+        read: bool | None = self._guarded(driver.read_now)
+        return read
+
+    def counts_with_publish(self, message: Message) -> bool:
+        """Would ``count_delivery`` publish (a copy of a message RabbitMQ redelivered,
+        carrying its counts), which waits for the broker's confirm?"""
+        rabbitmq = self.rabbitmq
+        return rabbitmq is not None and bool(
+            rabbitmq.losses(message.delivery_info or {}, message.headers or {}))
+
     def finish_write(self, channel: Any) -> None:
         """Send what ``ack_now`` wrote in part on ``channel``, waiting for the socket.
         Raises if that channel's connection is gone meanwhile: those acks are not made
@@ -713,6 +733,11 @@ class BrokerConsumer:
     def acks_at_once(self) -> bool:
         """Can ``ack_now`` be asked of this connection (RabbitMQ)?"""
         return self.capabilities.acks_inline
+
+    @property
+    def reads_at_once(self) -> bool:
+        """Can ``read_now`` be asked of this connection (RabbitMQ)?"""
+        return self.capabilities.reads_inline
 
     @property
     def takes_at_once(self) -> bool:

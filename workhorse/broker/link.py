@@ -85,6 +85,9 @@ class BrokerLink:
         #: The fd and socket the loop watches for those answers: between takes too, as an
         #: idle reader (see ``_watch``).
         self._watching: tuple[int, Any] | None = None
+        #: RabbitMQ: the socket whose deliveries this thread reads (lent by the broker
+        #: thread, see ``_read_here``), and its connection's generation; -1: none.
+        self._reading = (-1, -1)
         self._out_timer: Timer | None = None
         self._deferred = False
         self._sends_paused_until = 0.0
@@ -111,6 +114,7 @@ class BrokerLink:
             lambda received, lost: BrokerConsumer(app, queues, received, lost),
             self.inbox.put, self._message, self._connected, self._lost, on_gave_up, prefetch,
             max_retries, retry_on_startup, acked_running=acked_running)
+        self.thread.lend_reads = self._reads_lent
 
     def start(self) -> None:
         self.thread.start()
@@ -334,20 +338,22 @@ class BrokerLink:
         return True
 
     def _ack_here(self) -> bool:
-        """RabbitMQ, when an ack at start is among them (its task waits for it): the acks
-        held back written here, on the loop thread, as the broker thread writes them
-        (``BrokerConsumer.ack_now``): no thread to wake and no interpreter lock handed
-        over, and that task starts in the next turn, not after the broker thread's. (Late
-        acks alone go to the broker thread, which writes several turns' at once with the
-        deliveries it reads: written here, one or two a write, they cost 0.94x the tasks
-        a second.) Only while the broker thread is parked with nothing submitted to it
-        (nothing is overtaken, and nothing else writes on the connection), and only if
-        the socket takes the frames at once; else nothing is written (False) and the
-        caller hands them to the broker thread. The socket taking a part: the broker
-        thread writes the rest before anything else, and only then are they acked
-        (``BrokerThread.submit_unsent``)."""
+        """RabbitMQ, while the deliveries are read here (``_read_here``), or when an ack at
+        start is among them (its task waits for it): the acks held back written here, on
+        the loop thread, as the broker thread writes them (``BrokerConsumer.ack_now``): no
+        thread to wake and no interpreter lock handed over, and a task waiting for its
+        ack starts in the next turn, not after the broker thread's. (Late acks alone,
+        while the broker thread reads the deliveries, go to it: it writes several turns'
+        at once with the deliveries it reads; written here, one or two a write, they
+        cost 0.94x the tasks a second.) Only while the broker thread is parked with
+        nothing submitted to it (nothing is overtaken, and nothing else writes on the
+        connection), and only if the socket takes the frames at once; else nothing is
+        written (False) and the caller hands them to the broker thread. The socket taking
+        a part: the broker thread writes the rest before anything else, and only then are
+        they acked (``BrokerThread.submit_unsent``)."""
         acks = self._acks
-        if not self.acks_here or all(ack.then is None for ack in acks):
+        if not self.acks_here or (self._reading[0] < 0
+                                  and all(ack.then is None for ack in acks)):
             return False
         with self.thread.borrowed() as consumer:
             if consumer is None:
@@ -636,7 +642,55 @@ class BrokerLink:
         self._say_status(f"consuming {', '.join(self.queues)}")
         self.on_connected_cb()
 
+    # ------------------------------------------------------------------ reading here
+    def _reads_lent(self, fd: int, generation: int) -> None:
+        """The broker thread is idle and lends the reading of the deliveries of connection
+        ``generation`` (on socket ``fd``): read here when the socket is readable."""
+        self._stop_reading()
+        self._reading = (fd, generation)
+        self.loop.add_reader(fd, self._read_here)
+
+    def _stop_reading(self) -> None:
+        fd = self._reading[0]
+        if fd >= 0:
+            self.loop.remove_reader(fd, self._read_here)
+            self._reading = (-1, -1)
+
+    def _read_here(self) -> None:
+        """RabbitMQ: the deliveries the socket holds, read here, never waiting, while the
+        broker thread is parked with nothing submitted to it, its frames handed over whole
+        (``BrokerConsumer.read_now``); no thread woken and no interpreter lock handed over
+        for each batch. Where that cannot be done (the broker thread is busy, the socket
+        cannot be read so, a connection of another generation, or it failed: the broker
+        thread reports the loss), the reading goes back to the broker thread, which reads
+        what is there and lends it again once idle. A redelivered message whose count is
+        carried by a published copy (which waits for a confirm) is left to it too."""
+        consumer = self.thread.borrow()
+        if consumer is None:
+            self._reads_back()
+            return
+        try:
+            read = (consumer.read_now() if consumer.generation == self._reading[1]
+                    else None)
+            counted = self.thread.counted_arrivals(publishing=False) if read else []
+            left = self.thread.has_arrivals()
+        finally:
+            self.thread.give_back()
+        if read is None:
+            self._reads_back()
+        elif left:
+            self.thread.nudge()         # its turn counts them and hands them over
+        for arrived in counted:
+            self._message(*arrived)
+        if counted:         # the loop looks at them before it waits again
+            self.loop.call_later(0, _nothing)
+
+    def _reads_back(self) -> None:
+        self._stop_reading()
+        self.thread.reads_back()
+
     def _lost(self, exc: BaseException) -> None:
+        self._stop_reading()
         self.connected = self.takes_here = self.splits = self.acks_here = False
         if self._pipe is not None:
             self._sent_failed(exc)

@@ -219,6 +219,13 @@ class BrokerThread:
         #: The consumer's sockets the loop watches, and the connection they belong to.
         self._watched: set[int] = set()
         self._watched_generation = -1
+        #: Set by the loop thread before ``start``: told ``(fd, generation)`` when the
+        #: reading of a connection's deliveries is lent to it (RabbitMQ; see ``_prepare``).
+        self.lend_reads: Callable[[int, int], None] | None = None
+        #: The generation of the connection whose reads are lent to the loop thread.
+        self._lent: int | None = None
+        #: The loop thread has the consumer (``borrow``), this thread is parked.
+        self._borrowed = False
 
     # ------------------------------------------------------------------ loop thread's API
     def submit(self, command: Command, what: str = "") -> None:
@@ -323,10 +330,23 @@ class BrokerThread:
         if not self.commands.queue.empty():
             self.gate.release()
             return None
+        self._borrowed = True
         return self.consumer
 
     def give_back(self) -> None:
+        self._borrowed = False
         self.gate.release()
+
+    def reads_back(self) -> None:
+        """Loop thread: it reads the deliveries no more (it found this thread busy, or
+        could not read): this thread reads what is there, and lends them again once idle."""
+        self.commands.put(self._read_again)
+
+    def _read_again(self, consumer: BrokerConsumer) -> None:
+        self._lent = None
+        if consumer.connected:
+            for fd in consumer.fds():
+                consumer.on_readable(fd)
 
     def nudge(self) -> None:
         """Make this thread turn (a take on the loop thread found the queues empty: its
@@ -340,7 +360,16 @@ class BrokerThread:
             return
         consumer.tick()
         self._hand_over()       # what the tick delivered (RabbitMQ: frames read ahead)
-        self._watch(consumer.fds(), consumer.generation)
+        fds = consumer.fds()
+        generation = consumer.generation
+        if (self._lent != generation and self.lend_reads is not None and fds
+                and consumer.reads_at_once and self.commands.queue.empty()):
+            # Idle: the loop thread reads the deliveries itself from now on (no thread to
+            # wake for each, no interpreter lock handed over), while this thread watches
+            # only its commands and timers, until the loop thread hands them back.
+            self._lent = generation
+            self.post(partial(self.lend_reads, min(fds), generation))
+        self._watch(set() if self._lent == generation else fds, generation)
 
     def _watch(self, fds: set[int], generation: int) -> None:
         """Watch exactly ``fds``, the sockets of connection ``generation``. A socket of a
@@ -486,11 +515,18 @@ class BrokerThread:
         if counted:
             self.post(partial(_each, self.on_message, counted))
 
-    def counted_arrivals(self) -> list[tuple[str, Message, int]]:
+    def counted_arrivals(self, publishing: bool = True) -> list[tuple[str, Message, int]]:
         """What arrived since the last call, each with its delivery count: called by the
         thread that made the call it arrived in (a ``take_now`` on the loop thread). RabbitMQ
-        may replace a redelivered message by a counted copy: nothing to give then."""
+        may replace a redelivered message by a counted copy: nothing to give then. Not
+        ``publishing`` (the loop thread, which must not wait for a confirm): those are
+        kept for this thread's next turn (``has_arrivals``)."""
         arrived, self._arrived = self._arrived, []
+        if not publishing:
+            kept = [a for a in arrived if self.consumer.counts_with_publish(a[1])]
+            if kept:
+                self._arrived = kept
+                arrived = [a for a in arrived if a not in kept]
         counted = []
         for queue_name, message in arrived:
             deliveries = self.consumer.count_delivery(queue_name, message)
@@ -500,9 +536,20 @@ class BrokerThread:
                 self.room.gave_back()
         return counted
 
+    def has_arrivals(self) -> bool:
+        return bool(self._arrived)
+
     def _lost(self, exc: BaseException) -> None:
         self._lost_to = exc
         self.post(lambda: self.on_lost(exc))
+        if self._borrowed:
+            # Found by the loop thread, which borrowed the consumer (``read_now``): this
+            # thread's loop is its own, so the reconnect is set up there, at its next turn.
+            self.commands.put(lambda consumer: self._reconnect_later())
+        else:
+            self._reconnect_later()
+
+    def _reconnect_later(self) -> None:
         self._attempts = max(self._attempts, 1) if self._recently_connected() else 0
         self.loop.call_later(backoff(self._attempts), self._connect)
 

@@ -350,6 +350,21 @@ class Connection(pyamqp.Connection):
                 return False
         return True
 
+    def deliver_ready(self) -> bool | None:
+        """Read what the socket holds now, never waiting, and hand each frame buffered
+        whole to the frame handler (a delivery whose three frames are in reaches its
+        consumer; one in part waits for the rest in the buffer). True if done; None if
+        this socket cannot be read so (TLS, or a socket with a timeout of its own):
+        nothing was read. A closed or broken connection raises as ``drain_events``."""
+        transport = self.transport
+        read = getattr(transport, "read_now", None)
+        if read is None or read() is None:
+            return None
+        take, on_frame = transport.take_frame, self.on_inbound_frame
+        while (frame := take()) is not None:
+            on_frame(frame)
+        return True
+
     def Transport(self, host: str, connect_timeout: float | None, ssl: Any = False,
                   read_timeout: float | None = None, write_timeout: float | None = None,
                   socket_settings: Any = None, **kwargs: Any) -> Any:

@@ -12,7 +12,7 @@ from .base import Capabilities, Driver, drain
 
 
 class AmqpDriver(Driver):
-    capabilities = Capabilities(push=True, acks_inline=True)
+    capabilities = Capabilities(push=True, acks_inline=True, reads_inline=True)
 
     def __init__(self, connection: Connection) -> None:
         super().__init__(connection)
@@ -37,6 +37,10 @@ class AmqpDriver(Driver):
         buffered = getattr(self.connection.connection.transport, "frame_buffered", None)
         while buffered is not None and buffered():
             drain(self.connection)
+
+    def read_now(self) -> bool | None:
+        deliver = getattr(self.connection.connection, "deliver_ready", None)
+        return deliver() if deliver is not None else None
 
     def periodic(self) -> list[tuple[float, Callable[[], None]]]:
         heartbeat = self.connection.get_heartbeat_interval()

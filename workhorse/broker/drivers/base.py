@@ -41,6 +41,9 @@ class Capabilities:
     #: written to the socket without blocking, or else left to the broker thread). See
     #: ``BrokerLink``.
     acks_inline: bool = False
+    #: The loop thread may read the deliveries itself, never waiting (RabbitMQ: the
+    #: frames the socket holds, read without blocking). See ``BrokerLink``.
+    reads_inline: bool = False
     #: No socket to watch: polled on a timer.
     polled: bool = False
 
@@ -90,6 +93,11 @@ class Driver:
 
     def periodic(self) -> list[tuple[float, Callable[[], None]]]:
         return []
+
+    def read_now(self) -> bool | None:
+        """``reads_inline``: deliver what the socket holds, never waiting; None if it
+        cannot be read so (nothing was read)."""
+        raise NotImplementedError
 
     def ack_and_take(self, tags: Sequence[str]) -> bool:
         """``takes_with_acks``: a turn's acks and a take in one round trip."""
