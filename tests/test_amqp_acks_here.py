@@ -144,3 +144,32 @@ def test_while_the_loop_reads_the_deliveries_late_acks_are_written_here_too(amqp
     assert it.handed == [] and all(m.acknowledged for m in it.received)
     it.settled_at_the_server()
 
+
+def test_while_the_loop_reads_late_acks_wait_for_a_batch_a_starved_window_or_5_ms(
+        amqp_link):
+    """Written one or two a turn, late acks cost RabbitMQ a frame and a wakeup each: they
+    are held back, as on Redis and SQLite, until half the window's worth is waiting, no
+    message is buffered for a child (they hold RabbitMQ's credit), or ACK_DELAY passed."""
+    it = amqp_link
+    it.deliveries(8)                                # the whole window: no room left
+    assert it.link._reading[0] >= 0
+    it.link.set_room(0, starved=False)
+    it.link.ack(it.received[0])
+    it.link.set_room(1, starved=False)              # one place free: not a batch
+    assert not it.received[0].acknowledged
+    it.turn_until(lambda: it.received[0].acknowledged, "ACK_DELAY to pass")
+    it.link.ack(it.received[1])
+    it.link.set_room(2, starved=True)               # nothing buffered for a child
+    assert it.received[1].acknowledged
+    for message in it.received[2:5]:
+        it.link.ack(message)
+    it.link.set_room(2, starved=False)              # three: not a batch yet
+    assert not any(m.acknowledged for m in it.received[2:5])
+    it.link.ack(it.received[5])
+    it.link.set_room(2, starved=False)              # four, half the window
+    assert all(m.acknowledged for m in it.received[:6])
+    for message in it.received[6:]:
+        it.link.ack(message)
+    it.link.flush()
+    assert it.handed == [] and all(m.acknowledged for m in it.received)
+    it.settled_at_the_server()
