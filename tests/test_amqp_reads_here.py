@@ -4,9 +4,11 @@ never waiting, and hands each delivery over once its frames are in whole; no thr
 woken for them. The broker thread busy when the socket is readable: the reading goes back
 to it, it reads what is there, and lends it again once idle. The connection failing under
 the loop's read: the loss is reported, and the reading is lent again on the new
-connection. A delivery whose frames come a few bytes at a time is handed over whole."""
+connection. A delivery whose frames come a few bytes at a time is handed over whole. Once
+consuming is cancelled, the broker thread reads what is left, and lends nothing more."""
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -41,6 +43,14 @@ class ReadingLink(AmqpLinkHarness):
             return read_now()
         consumer.on_readable = thread_read      # type: ignore[method-assign]
         consumer.read_now = loop_read           # type: ignore[method-assign]
+        self.lends = 0              # the reading lent to the loop
+        lend = self.link.thread.lend_reads
+        assert lend is not None
+
+        def lent(fd: int, generation: int) -> None:
+            self.lends += 1
+            lend(fd, generation)
+        self.link.thread.lend_reads = lent
 
     def lent(self) -> bool:
         return self.link._reading[0] >= 0
@@ -127,3 +137,44 @@ def test_a_delivery_whose_frames_come_a_few_bytes_at_a_time_is_handed_over_whole
     assert [message.decode()[0] for message in it.received] == [[0], [1], [2]]
     transport.sock = transport.sock.sock
     it.settled_at_the_server()
+
+
+def test_once_consuming_is_cancelled_the_broker_thread_reads_what_is_left(reading_link):
+    it = reading_link
+    it.wait_lent()
+    it.link.cancel()
+    it.turn_until(lambda: not it.lent() and it.parked(),
+                  "the reading back with the broker thread")
+    lends = it.lends
+    it.publish(2)                           # not delivered: nothing consumes
+    for _ in range(25):
+        it.loop.run_once(0.02)
+    assert it.received == [] and not it.lent() and it.lends == lends
+    it.link.close(5)
+    assert len(it.broker.drain(it.broker.queue)) == 2       # nothing lost
+
+
+def test_a_lend_that_comes_after_its_socket_closed_is_not_taken(reading_link):
+    """The broker thread's post lending the reading can come after the connection closed
+    (at shutdown, or a loss reported right behind it): its number may be closed, or
+    another file's by then; neither is watched, nor raises."""
+    it = reading_link
+    it.wait_lent()
+    it.link._stop_reading()
+    closed = os.open(os.devnull, os.O_RDONLY)
+    os.close(closed)
+    it.link._reads_lent(closed, 99)
+    assert not it.lent()
+    read, write = os.pipe()
+    try:
+        taken: list[int] = []
+        it.loop.add_reader(read, lambda: taken.append(1))
+        it.link._reads_lent(read, 99)       # another file's number now
+        assert not it.lent()
+        os.write(write, b"x")
+        it.loop.run_once(1)
+        assert taken == [1]                 # its reader is untouched
+        it.loop.remove_reader(read)
+    finally:
+        os.close(read)
+        os.close(write)

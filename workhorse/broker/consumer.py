@@ -736,8 +736,10 @@ class BrokerConsumer:
 
     @property
     def reads_at_once(self) -> bool:
-        """Can ``read_now`` be asked of this connection (RabbitMQ)?"""
-        return self.capabilities.reads_inline
+        """Can ``read_now`` be asked of this connection (RabbitMQ, while it consumes: once
+        cancelled, the broker thread reads what is left, the consumer's cancel-ok among
+        it)?"""
+        return self.consuming and self.capabilities.reads_inline
 
     @property
     def takes_at_once(self) -> bool:

@@ -88,6 +88,7 @@ class BrokerLink:
         #: RabbitMQ: the socket whose deliveries this thread reads (lent by the broker
         #: thread, see ``_read_here``), and its connection's generation; -1: none.
         self._reading = (-1, -1)
+        self._closing = False
         self._out_timer: Timer | None = None
         self._deferred = False
         self._sends_paused_until = 0.0
@@ -136,6 +137,8 @@ class BrokerLink:
         broker that does not answer within ``timeout`` is left behind (what we did not
         settle comes back from the broker)."""
         self._finish_sent(timeout)
+        self._closing = True
+        self._stop_reading()            # (the socket is closed with the connection)
         if not self.thread.is_alive():
             self._run_posted()          # its last log records (it gave up, say)
             return
@@ -651,10 +654,18 @@ class BrokerLink:
     # ------------------------------------------------------------------ reading here
     def _reads_lent(self, fd: int, generation: int) -> None:
         """The broker thread is idle and lends the reading of the deliveries of connection
-        ``generation`` (on socket ``fd``): read here when the socket is readable."""
+        ``generation`` (on socket ``fd``): read here when the socket is readable. Posted,
+        it may come late: the connection closed since (its loss is reported after this),
+        the number closed or another file's already; then it is not taken (the broker
+        thread lends the next connection's reading)."""
         self._stop_reading()
+        if self._closing or fd in self.loop.readers():
+            return
+        try:
+            self.loop.add_reader(fd, self._read_here)
+        except OSError:     # (EBADF: closed with its connection)
+            return
         self._reading = (fd, generation)
-        self.loop.add_reader(fd, self._read_here)
 
     def _stop_reading(self) -> None:
         fd = self._reading[0]
