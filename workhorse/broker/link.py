@@ -89,6 +89,8 @@ class BrokerLink:
         #: thread, see ``_read_here``), and its connection's generation; -1: none.
         self._reading = (-1, -1)
         self._closing = False
+        #: RabbitMQ quorum queues: each consumer's own prefetch, paced by the broker thread.
+        self.paced = False
         self._out_timer: Timer | None = None
         self._deferred = False
         self._sends_paused_until = 0.0
@@ -197,6 +199,11 @@ class BrokerLink:
                 if self.takes_here:
                     self._want_fetch = True     # before the loop waits: see _before_wait
                 elif not (self.acks_here and (not self._acks or self._ack_here())):
+                    self._fetch()
+                elif starved and self.paced and self._reading[0] >= 0:
+                    # Quorum queues: the broker thread's poll restarts consumers paused for
+                    # the window (``BrokerConsumer._pace``). While the loop reads and acks,
+                    # nothing else wakes it but its 1 s safety poll: a starved window does.
                     self._fetch()
                 return
         if (self._urgent or len(self._acks) >= self.batch
@@ -647,6 +654,7 @@ class BrokerLink:
         self.splits = consumer.takes_split
         self.takes_here = consumer.takes_at_once or self.splits
         self.acks_here = consumer.acks_at_once
+        self.paced = bool(getattr(consumer, "per_consumer", 0))
         self._credit = -1
         self._say_status(f"consuming {', '.join(self.queues)}")
         self.on_connected_cb()
@@ -657,9 +665,10 @@ class BrokerLink:
         ``generation`` (on socket ``fd``): read here when the socket is readable. Posted,
         it may come late: the connection closed since (its loss is reported after this),
         the number closed or another file's already; then it is not taken (the broker
-        thread lends the next connection's reading)."""
+        thread lends the next connection's reading). ``fd`` -1: the broker thread took the
+        reading back (consuming was cancelled)."""
         self._stop_reading()
-        if self._closing or fd in self.loop.readers():
+        if fd < 0 or self._closing or fd in self.loop.readers():
             return
         try:
             self.loop.add_reader(fd, self._read_here)

@@ -362,6 +362,12 @@ class BrokerThread:
         self._hand_over()       # what the tick delivered (RabbitMQ: frames read ahead)
         fds = consumer.fds()
         generation = consumer.generation
+        if self._lent == generation and not consumer.reads_at_once:
+            # Consuming was cancelled (a warm shutdown): the reading is taken back, and
+            # the loop told to stop (fd -1).
+            self._lent = None
+            if self.lend_reads is not None:
+                self.post(partial(self.lend_reads, -1, generation))
         if (self._lent != generation and self.lend_reads is not None and fds
                 and consumer.reads_at_once and self.commands.queue.empty()):
             # Idle: the loop thread reads the deliveries itself from now on (no thread to
