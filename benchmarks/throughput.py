@@ -14,6 +14,8 @@ second on the same broker, in one run.
                                                        # has it (before/after, one run)
     python benchmarks/throughput.py --broker quorum    # RabbitMQ with quorum queues
     python benchmarks/throughput.py --broker sentinel  # Redis Sentinel, a set of its own
+    python benchmarks/throughput.py --floor          # also the bare loop of
+                                                     # benchmarks/floor.py (Redis, SQLite)
 
 Every worker gets the same pre-filled queue (Celery's protocol; Dramatiq's own for
 Dramatiq), concurrency and prefetch multiplier 4, ack mode (late acks unless
@@ -188,6 +190,8 @@ def command(kind: str, queue: str, concurrency: int) -> list[str]:
         module = "benchmarks.one_thread" if kind == "workhorse+one-thread" else "workhorse"
         return [sys.executable, "-m", module, "worker", "-A", "benchmarks.bench_tasks:app",
                 "-c", str(concurrency), "-Q", queue, "-l", "WARNING"]
+    if kind == "floor":
+        return [sys.executable, "-m", "benchmarks.floor", "-Q", queue, "-c", str(concurrency)]
     if kind == "dramatiq":
         return [sys.executable, "-m", "dramatiq", "benchmarks.dramatiq_tasks", "--processes",
                 str(concurrency), "--threads", "1", "--queues", queue]
@@ -385,6 +389,9 @@ def main() -> int:
     parser.add_argument("--one-thread", action="store_true",
                         help="also run workhorse with its broker thread's loop on the loop "
                              "thread (an experiment: benchmarks/one_thread.py)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also run the bare loop of benchmarks/floor.py (Redis, SQLite): "
+                             "the least a supervisor can cost a task")
     parser.add_argument("--acks", choices=("late", "early", "both"), default="late",
                         help="acks_late = true (late, the default), false for every worker "
                              "(early: at-most-once), or each in turn")
@@ -445,12 +452,15 @@ def main() -> int:
             kinds = ["workhorse", *([] if broker in QUEUE_TYPES else CHECKOUTS)] + (
                 ["workhorse+metrics"] if args.metrics else []) + (
                 ["workhorse+one-thread"] if args.one_thread else []) + (
+                ["floor"] if args.floor and broker in ("redis", "sqlite") and not args.results
+                else []) + (
                 ["celery"] if celery else []) + (
                 ["dramatiq"] if dramatiq and broker in ("redis", "amqp", "sentinel")
                 and not args.results
                 else [])
             if args.only:
-                kinds = [k for k in kinds if re.split("[+@]", k)[0] in args.only]
+                kinds = [k for k in kinds
+                         if k == "floor" or re.split("[+@]", k)[0] in args.only]
             for task_set, mode in [(t, m) for t in sets for m in modes]:
                 count = args.tasks if task_set == "noop" else max(200, args.tasks // 5)
                 # For each store (--results-url, given more than once: each in turn

@@ -1,0 +1,268 @@
+"""The least a supervisor can cost a task on Redis or SQLite: a bare loop that does only
+the part of a worker's work that no design of one can leave out, measured the way
+workhorse is.
+
+    python benchmarks/throughput.py --broker redis --broker sqlite --floor [--acks both]
+
+runs it beside workhorse, Celery and Dramatiq, as ``python -m benchmarks.floor -Q QUEUE
+-c 2`` (the broker from $WORKHORSE_BROKER_URL, the ack mode from $BENCH_ACKS_LATE). It is
+not a worker anyone should run. One process, one thread, and ``concurrency`` forked
+children. For each task it does what a supervisor that holds the window and settles each
+message itself must do, and nothing else:
+
+- takes messages as workhorse does, with the acks due, a window of concurrency x 4: on
+  Redis with workhorse's own take script (``_ACK_TAKE``: the lease, the delivery count and
+  the owner mark) over a bare socket with hiredis's reader, one take in flight; on SQLite
+  with workhorse's own transaction (``Store.lease_many``), on the loop;
+- decodes each message's JSON and base64 body and reads its task's name and id;
+- writes the child a job (the name, the id, the body: ``marshal``) and reads its one-byte
+  answer; the child decodes the body and calls the benchmark's task;
+- late acks: held, and sent with the next take, which goes once half the window is free
+  or nothing is buffered; acks at start (``BENCH_ACKS_LATE=false``): each start's ack sent
+  at once (with a take of the room), its job written once the answer is in.
+
+What it leaves out, where workhorse spends the rest: the time limits, the journal, the
+delivery counts' checks and the dead letters, the task's options, events, results,
+retries, revokes, renewing leases, reconnecting, a broker thread so that a hung broker
+never stalls the loop, and everything a message that is not a well-formed Celery task
+needs. Its CPU a task is a floor for a supervisor in CPython on this machine, not a
+target: what workhorse costs above it pays for those promises.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import marshal
+import os
+import selectors
+import socket
+import struct
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import hiredis
+import redis
+
+from benchmarks.task_bodies import TASKS
+from workhorse.transport.redis import _ACK_TAKE
+from workhorse.transport.store import Store, StoreBusy
+
+_LENGTH = struct.Struct("!I")
+#: A buffered message: its delivery tag, its task's name, its id, its body.
+Message = tuple[str, str, str, bytes]
+#: A job to write once its ack at start is answered: the child's answer fd, the message.
+Start = tuple[int, Message]
+#: kombu's priority lists behind a queue, in the order its takes read them.
+PRIORITIES = (0, 3, 6, 9)
+
+
+def child(jobs: int, answers: int) -> None:
+    """Read job frames; run each; answer one byte. Exits when the pipe closes."""
+    reader = os.fdopen(jobs, "rb", buffering=0)
+    while True:
+        head = reader.read(4)
+        if len(head) < 4:
+            os._exit(0)
+        (size,) = _LENGTH.unpack(head)
+        frame = b""
+        while len(frame) < size:
+            frame += reader.read(size - len(frame))
+        name, _task_id, body = marshal.loads(frame)
+        args, kwargs, _embed = json.loads(body)
+        TASKS[name](*args, **kwargs)
+        os.write(answers, b"d")
+
+
+class RedisTaker:
+    """Takes on Redis: each request written at once, its answer read when the socket is."""
+
+    def __init__(self, url: str, queue: str, answered: Callable[[object, list], None]) -> None:
+        parts = urlsplit(url)
+        host, port = parts.hostname or "127.0.0.1", parts.port or 6379
+        db = int((parts.path or "/0").strip("/") or 0)
+        client = redis.Redis(host=host, port=port, db=db)
+        client.script_load(_ACK_TAKE.text)
+        client.close()
+        self.sock = socket.create_connection((host, port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.sendall(hiredis.pack_command(("SELECT", db)))
+        self.reader = hiredis.Reader()
+        while self.reader.gets() is False:      # SELECT's +OK
+            self.reader.feed(self.sock.recv(65536))
+        self.sock.setblocking(False)
+        self.keys = ("unacked_index", "unacked", "delivery_counts", "lease_owners",
+                     *(queue if p == 0 else f"{queue}\x06\x16{p}" for p in PRIORITIES))
+        self.owner = f"floor-{os.getpid()}"
+        self.answered = answered
+        self.out: deque[tuple[object, str]] = deque()   # each request's context, score
+        self.scores: dict[str, str] = {}        # a leased message's tag -> its take's score
+
+    def send(self, acks: list[str], limit: int, context: object) -> None:
+        score = repr(time.time())
+        pairs = [x for tag in acks for x in (tag, self.scores.pop(tag))]
+        self.sock.sendall(hiredis.pack_command(
+            ("EVALSHA", _ACK_TAKE.sha, len(self.keys), *self.keys, score, limit,
+             self.owner, len(acks), *pairs)))
+        self.out.append((context, score))
+
+    def readable(self) -> None:
+        self.reader.feed(self.sock.recv(65536))
+        while (reply := self.reader.gets()) is not False:
+            context, score = self.out.popleft()
+            lost = int(reply[0])
+            assert lost == 0, f"{lost} acks found their lease gone"
+            taken = reply[1 + lost:]
+            messages = []
+            for n in range(0, len(taken), 4):
+                tag = taken[n + 3].decode()
+                self.scores[tag] = score
+                messages.append((tag, taken[n + 1]))
+            self.answered(context, messages)
+
+
+class SqliteTaker:
+    """Takes on SQLite: each one a transaction, carried out at once, on the loop."""
+
+    sock = None
+
+    def __init__(self, url: str, queue: str, answered: Callable[[object, list], None]) -> None:
+        self.store = Store(Path(url.removeprefix("sqlite:///")))
+        self.queues = [queue]
+        self.answered = answered
+        self.leases: dict[str, tuple[int, str]] = {}
+
+    def send(self, acks: list[str], limit: int, context: object) -> None:
+        leases = [self.leases.pop(tag) for tag in acks]
+        try:
+            taken = self.store.lease_many(self.queues, 60.0, limit, leases, wait=False)
+        except StoreBusy:
+            taken = self.store.lease_many(self.queues, 60.0, limit, leases)
+        for _queue, ident, token, _payload, _count in taken:
+            self.leases[token] = (ident, token)
+        self.answered(context, [(token, payload) for _q, _i, token, payload, _c in taken])
+
+    def readable(self) -> None:
+        raise AssertionError("no socket")
+
+
+class Floor:
+    def __init__(self, url: str, queue: str, concurrency: int, acks_late: bool) -> None:
+        taker = SqliteTaker if url.startswith("sqlite://") else RedisTaker
+        self.broker = taker(url, queue, self.answered)
+        self.window = concurrency * 4
+        self.acks_late = acks_late
+        self.buffer: deque[Message] = deque()
+        self.held_acks: list[str] = []
+        self.running: dict[int, str] = {}       # child's answer fd -> its message's tag
+        self.acking = 0                          # acks at start sent, not answered
+        self.takes_out = 0
+        self.empty_until = 0.0
+        self.selector = selectors.DefaultSelector()
+        if self.broker.sock is not None:
+            self.selector.register(self.broker.sock, selectors.EVENT_READ, None)
+        self.idle: list[int] = []
+        self.job_fds: dict[int, int] = {}        # answer fd -> job fd
+        for _ in range(concurrency):
+            jobs_r, jobs_w = os.pipe()
+            answers_r, answers_w = os.pipe()
+            if os.fork() == 0:
+                os.close(jobs_w)
+                os.close(answers_r)
+                child(jobs_r, answers_w)
+            os.close(jobs_r)
+            os.close(answers_w)
+            self.job_fds[answers_r] = jobs_w
+            self.idle.append(answers_r)
+            self.selector.register(answers_r, selectors.EVENT_READ, answers_r)
+
+    def room(self) -> int:
+        return self.window - len(self.buffer) - len(self.running) - self.acking
+
+    def send(self, acks: list[str], limit: int, start: Start | None = None) -> None:
+        """One take: ``acks`` settled, up to ``limit`` messages taken; ``start``: the job
+        its answer lets start (an ack at start)."""
+        if limit > 0:
+            self.takes_out += 1
+        self.broker.send(acks, limit, (start, limit > 0))
+
+    def answered(self, context: object, taken: list[tuple[str, bytes | str]]) -> None:
+        start, took = context  # type: ignore[misc]
+        if took:
+            self.takes_out -= 1
+            if not taken:
+                self.empty_until = time.monotonic() + 0.001     # the queue is dry (the end)
+        for tag, payload in taken:
+            message = json.loads(payload)
+            headers = message["headers"]
+            self.buffer.append((tag, headers["task"], headers["id"],
+                                base64.b64decode(message["body"])))
+        if start is not None:
+            self.acking -= 1
+            self.write_job(*start)
+
+    def write_job(self, answers: int, message: Message) -> None:
+        tag, name, task_id, body = message
+        frame = marshal.dumps((name, task_id, body))
+        os.write(self.job_fds[answers], _LENGTH.pack(len(frame)) + frame)
+        self.running[answers] = tag
+
+    def dispatch(self) -> None:
+        while self.idle and self.buffer:
+            answers, message = self.idle.pop(), self.buffer.popleft()
+            if self.acks_late:
+                self.write_job(answers, message)
+            else:
+                self.acking += 1
+                self.send([message[0]], self.room() if not self.takes_out else 0,
+                          (answers, message))
+
+    def before_wait(self) -> None:
+        room = self.room()
+        if self.takes_out or time.monotonic() < self.empty_until:
+            room = 0
+        if self.held_acks and (room >= self.window // 2 or not self.buffer):
+            acks, self.held_acks = self.held_acks, []
+            self.send(acks, room)
+        elif room >= self.window // 2 or (room and not self.buffer):
+            self.send([], room)
+
+    def run(self) -> None:
+        while True:
+            self.dispatch()
+            self.before_wait()
+            if self.buffer and self.idle:
+                continue            # (SQLite: the take just now filled the buffer)
+            timeout = None if not self.empty_until else max(
+                0.0, self.empty_until - time.monotonic())
+            for key, _ in self.selector.select(timeout):
+                if key.data is None:
+                    self.broker.readable()
+                else:
+                    answers = key.data
+                    os.read(answers, 1)
+                    tag = self.running.pop(answers)
+                    self.idle.append(answers)
+                    if self.acks_late:
+                        self.held_acks.append(tag)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-Q", "--queue", required=True)
+    parser.add_argument("-c", "--concurrency", type=int, default=2)
+    args = parser.parse_args()
+    url = os.environ.get("WORKHORSE_BROKER_URL", "redis://127.0.0.1:6379/0")
+    if not url.startswith(("redis://", "sqlite:///")):
+        parser.error(f"the floor runs on redis:// or sqlite:/// brokers only, not {url!r}")
+    acks_late = os.environ.get("BENCH_ACKS_LATE", "true") != "false"
+    Floor(url, args.queue, args.concurrency, acks_late).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
