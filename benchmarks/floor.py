@@ -1,8 +1,9 @@
-"""The least a supervisor can cost a task on Redis or SQLite: a bare loop that does only
-the part of a worker's work that no design of one can leave out, measured the way
-workhorse is.
+"""The least a supervisor can cost a task on Redis, SQLite or RabbitMQ: a bare loop that
+does only the part of a worker's work that no design of one can leave out, measured the
+way workhorse is.
 
     python benchmarks/throughput.py --broker redis --broker sqlite --floor [--acks both]
+    python benchmarks/throughput.py --broker amqp --floor
 
 runs it beside workhorse, Celery and Dramatiq, as ``python -m benchmarks.floor -Q QUEUE
 -c 2`` (the broker from $WORKHORSE_BROKER_URL, the ack mode from $BENCH_ACKS_LATE). It is
@@ -13,13 +14,18 @@ message itself must do, and nothing else:
 - takes messages as workhorse does, with the acks due, a window of concurrency x 4: on
   Redis with workhorse's own take script (``_ACK_TAKE``: the lease, the delivery count and
   the owner mark) over a bare socket with hiredis's reader, one take in flight; on SQLite
-  with workhorse's own transaction (``Store.lease_many``), on the loop;
-- decodes each message's JSON and base64 body and reads its task's name and id;
+  with workhorse's own transaction (``Store.lease_many``), on the loop; on RabbitMQ
+  consumed with the window as the prefetch (less the children, with acks at start, so
+  that what is held stays within it), read with workhorse's frame reader;
+- reads each message's task name and id from its headers (Redis, SQLite: its JSON decoded
+  and its body from base64; RabbitMQ: the headers table the frame reader decoded);
 - writes the child a job (the name, the id, the body: ``marshal``) and reads its one-byte
   answer; the child decodes the body and calls the benchmark's task;
 - late acks: held, and sent with the next take, which goes once half the window is free
-  or nothing is buffered; acks at start (``BENCH_ACKS_LATE=false``): each start's ack sent
-  at once (with a take of the room), its job written once the answer is in.
+  or nothing is buffered (RabbitMQ: written then); acks at start (``BENCH_ACKS_LATE=
+  false``): each start's ack sent at once (with a take of the room), its job written once
+  the answer is in (RabbitMQ, which answers no ack: once its frame is written, as
+  workhorse does).
 
 What it leaves out, where workhorse spends the rest: the time limits, the journal, the
 delivery counts' checks and the dead letters, the task's options, events, results,
@@ -43,12 +49,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlsplit
+from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import hiredis
 import redis
 
 from benchmarks.task_bodies import TASKS
+from workhorse.transport.rabbitmq import Connection as AmqpConnection
 from workhorse.transport.redis import _ACK_TAKE
 from workhorse.transport.store import Store, StoreBusy
 
@@ -78,8 +86,18 @@ def child(jobs: int, answers: int) -> None:
         os.write(answers, b"d")
 
 
+def envelope(tag: str, payload: bytes | str) -> Message:
+    """A message stored as kombu's JSON (Redis, SQLite): its task's name and id read from
+    its headers, its body decoded from base64."""
+    message = json.loads(payload)
+    headers = message["headers"]
+    return tag, headers["task"], headers["id"], base64.b64decode(message["body"])
+
+
 class RedisTaker:
     """Takes on Redis: each request written at once, its answer read when the socket is."""
+
+    pushes = False
 
     def __init__(self, url: str, queue: str, answered: Callable[[object, list], None]) -> None:
         parts = urlsplit(url)
@@ -121,7 +139,7 @@ class RedisTaker:
             for n in range(0, len(taken), 4):
                 tag = taken[n + 3].decode()
                 self.scores[tag] = score
-                messages.append((tag, taken[n + 1]))
+                messages.append(envelope(tag, taken[n + 1]))
             self.answered(context, messages)
 
 
@@ -129,6 +147,7 @@ class SqliteTaker:
     """Takes on SQLite: each one a transaction, carried out at once, on the loop."""
 
     sock = None
+    pushes = False
 
     def __init__(self, url: str, queue: str, answered: Callable[[object, list], None]) -> None:
         self.store = Store(Path(url.removeprefix("sqlite:///")))
@@ -144,17 +163,61 @@ class SqliteTaker:
             taken = self.store.lease_many(self.queues, 60.0, limit, leases)
         for _queue, ident, token, _payload, _count in taken:
             self.leases[token] = (ident, token)
-        self.answered(context, [(token, payload) for _q, _i, token, payload, _c in taken])
+        self.answered(context, [envelope(token, payload) for _q, _i, token, payload, _c in taken])
 
     def readable(self) -> None:
         raise AssertionError("no socket")
 
 
+class AmqpTaker:
+    """RabbitMQ pushes what the prefetch (the window) allows; deliveries are read when the
+    socket is (workhorse's frame reader), acks written at once, one write for a batch."""
+
+    pushes = True
+
+    def __init__(self, url: str, queue: str, answered: Callable[[object, list], None],
+                 prefetch: int) -> None:
+        parts = urlsplit(url)
+        self.conn = AmqpConnection(
+            host=f"{parts.hostname or '127.0.0.1'}:{parts.port or 5672}",
+            userid=unquote(parts.username or "guest"),
+            password=unquote(parts.password or "guest"),
+            virtual_host=unquote(parts.path[1:]) or "/")
+        self.conn.connect()
+        self.channel = self.conn.channel()
+        self.channel.basic_qos(0, prefetch, False)
+        self.channel.basic_consume(queue, callback=self._delivered)
+        self.sock = self.conn.sock
+        self.answered = answered
+        self.arrived: list[Message] = []
+
+    def _delivered(self, message: Any) -> None:
+        headers = message.properties["application_headers"]
+        body = message.body
+        self.arrived.append((message.delivery_tag, headers["task"], headers["id"],
+                             body.encode() if isinstance(body, str) else body))
+
+    def send(self, acks: list[str], limit: int, context: object) -> None:
+        self.channel.ack_tags(acks)         # (an ack at start: written whole, as workhorse)
+        self.answered(context, [])
+
+    def readable(self) -> None:
+        self.conn.deliver_ready()
+        arrived, self.arrived = self.arrived, []
+        self.answered((None, False), arrived)
+
+
 class Floor:
     def __init__(self, url: str, queue: str, concurrency: int, acks_late: bool) -> None:
-        taker = SqliteTaker if url.startswith("sqlite://") else RedisTaker
-        self.broker = taker(url, queue, self.answered)
         self.window = concurrency * 4
+        self.broker: RedisTaker | SqliteTaker | AmqpTaker
+        if url.startswith("amqp://"):
+            self.broker = AmqpTaker(url, queue, self.answered,
+                                    self.window if acks_late else self.window - concurrency)
+        elif url.startswith("sqlite://"):
+            self.broker = SqliteTaker(url, queue, self.answered)
+        else:
+            self.broker = RedisTaker(url, queue, self.answered)
         self.acks_late = acks_late
         self.buffer: deque[Message] = deque()
         self.held_acks: list[str] = []
@@ -181,6 +244,9 @@ class Floor:
             self.selector.register(answers_r, selectors.EVENT_READ, answers_r)
 
     def room(self) -> int:
+        """What a take may ask for (RabbitMQ pushes: nothing)."""
+        if self.broker.pushes:
+            return 0
         return self.window - len(self.buffer) - len(self.running) - self.acking
 
     def send(self, acks: list[str], limit: int, start: Start | None = None) -> None:
@@ -190,17 +256,13 @@ class Floor:
             self.takes_out += 1
         self.broker.send(acks, limit, (start, limit > 0))
 
-    def answered(self, context: object, taken: list[tuple[str, bytes | str]]) -> None:
+    def answered(self, context: object, taken: list[Message]) -> None:
         start, took = context  # type: ignore[misc]
         if took:
             self.takes_out -= 1
             if not taken:
                 self.empty_until = time.monotonic() + 0.001     # the queue is dry (the end)
-        for tag, payload in taken:
-            message = json.loads(payload)
-            headers = message["headers"]
-            self.buffer.append((tag, headers["task"], headers["id"],
-                                base64.b64decode(message["body"])))
+        self.buffer += taken
         if start is not None:
             self.acking -= 1
             self.write_job(*start)
@@ -225,7 +287,8 @@ class Floor:
         room = self.room()
         if self.takes_out or time.monotonic() < self.empty_until:
             room = 0
-        if self.held_acks and (room >= self.window // 2 or not self.buffer):
+        if self.held_acks and (room >= self.window // 2 or not self.buffer or (
+                self.broker.pushes and len(self.held_acks) >= self.window // 2)):
             acks, self.held_acks = self.held_acks, []
             self.send(acks, room)
         elif room >= self.window // 2 or (room and not self.buffer):
@@ -257,8 +320,9 @@ def main() -> int:
     parser.add_argument("-c", "--concurrency", type=int, default=2)
     args = parser.parse_args()
     url = os.environ.get("WORKHORSE_BROKER_URL", "redis://127.0.0.1:6379/0")
-    if not url.startswith(("redis://", "sqlite:///")):
-        parser.error(f"the floor runs on redis:// or sqlite:/// brokers only, not {url!r}")
+    if not url.startswith(("redis://", "sqlite:///", "amqp://")):
+        parser.error(f"the floor runs on redis://, sqlite:/// and amqp:// brokers only, "
+                     f"not {url!r}")
     acks_late = os.environ.get("BENCH_ACKS_LATE", "true") != "false"
     Floor(url, args.queue, args.concurrency, acks_late).run()
     return 0

@@ -15,7 +15,7 @@ second on the same broker, in one run.
     python benchmarks/throughput.py --broker quorum    # RabbitMQ with quorum queues
     python benchmarks/throughput.py --broker sentinel  # Redis Sentinel, a set of its own
     python benchmarks/throughput.py --floor          # also the bare loop of
-                                                     # benchmarks/floor.py (Redis, SQLite)
+                                                     # benchmarks/floor.py
 
 Every worker gets the same pre-filled queue (Celery's protocol; Dramatiq's own for
 Dramatiq), concurrency and prefetch multiplier 4, ack mode (late acks unless
@@ -390,7 +390,7 @@ def main() -> int:
                         help="also run workhorse with its broker thread's loop on the loop "
                              "thread (an experiment: benchmarks/one_thread.py)")
     parser.add_argument("--floor", action="store_true",
-                        help="also run the bare loop of benchmarks/floor.py (Redis, SQLite): "
+                        help="also run the bare loop of benchmarks/floor.py (not on Sentinel): "
                              "the least a supervisor can cost a task")
     parser.add_argument("--acks", choices=("late", "early", "both"), default="late",
                         help="acks_late = true (late, the default), false for every worker "
@@ -452,7 +452,8 @@ def main() -> int:
             kinds = ["workhorse", *([] if broker in QUEUE_TYPES else CHECKOUTS)] + (
                 ["workhorse+metrics"] if args.metrics else []) + (
                 ["workhorse+one-thread"] if args.one_thread else []) + (
-                ["floor"] if args.floor and broker in ("redis", "sqlite") and not args.results
+                ["floor"] if args.floor and broker in ("redis", "sqlite", "amqp", "quorum")
+                and not args.results
                 else []) + (
                 ["celery"] if celery else []) + (
                 ["dramatiq"] if dramatiq and broker in ("redis", "amqp", "sentinel")
