@@ -142,6 +142,9 @@ class RedisTaker:
                 messages.append(envelope(tag, taken[n + 1]))
             self.answered(context, messages)
 
+    def buffered(self) -> bool:
+        return False        # (readable() leaves no whole answer in the reader)
+
 
 class SqliteTaker:
     """Takes on SQLite: each one a transaction, carried out at once, on the loop."""
@@ -167,6 +170,9 @@ class SqliteTaker:
 
     def readable(self) -> None:
         raise AssertionError("no socket")
+
+    def buffered(self) -> bool:
+        return False
 
 
 class AmqpTaker:
@@ -203,6 +209,21 @@ class AmqpTaker:
 
     def readable(self) -> None:
         self.conn.deliver_ready()
+        self.hand_over()
+
+    def buffered(self) -> bool:
+        """Frames read ahead whole (by a read that waited: at the start, or an ack's write)
+        that select() cannot see are handed over here."""
+        transport = self.conn.transport
+        if not transport.frame_buffered():
+            return False
+        on_frame = self.conn.on_inbound_frame
+        while (frame := transport.take_frame()) is not None:
+            on_frame(frame)
+        self.hand_over()
+        return True
+
+    def hand_over(self) -> None:
         arrived, self.arrived = self.arrived, []
         self.answered((None, False), arrived)
 
@@ -298,7 +319,7 @@ class Floor:
         while True:
             self.dispatch()
             self.before_wait()
-            if self.buffer and self.idle:
+            if (self.buffer and self.idle) or self.broker.buffered():
                 continue            # (SQLite: the take just now filled the buffer)
             timeout = None if not self.empty_until else max(
                 0.0, self.empty_until - time.monotonic())
