@@ -420,6 +420,10 @@ def main() -> int:
     if args.results and "sentinel" in brokers:
         parser.error("--results cannot be used with --broker sentinel: results are not "
                      "stored through the sentinels here (run --broker redis for them)")
+    if args.floor and args.results:
+        parser.error("--floor cannot be used with --results: the floor stores no results")
+    if args.floor and "sentinel" in brokers:
+        print("(the floor is left out on Sentinel: it talks to one Redis server)")
     sets = args.sets or ["noop", "sleep"]
     modes = ["early"] if args.acks_early else (["late", "early"] if args.acks == "both"
                                                else [args.acks])
@@ -452,9 +456,7 @@ def main() -> int:
             kinds = ["workhorse", *([] if broker in QUEUE_TYPES else CHECKOUTS)] + (
                 ["workhorse+metrics"] if args.metrics else []) + (
                 ["workhorse+one-thread"] if args.one_thread else []) + (
-                ["floor"] if args.floor and broker in ("redis", "sqlite", "amqp", "quorum")
-                and not args.results
-                else []) + (
+                ["floor"] if args.floor and broker != "sentinel" else []) + (
                 ["celery"] if celery else []) + (
                 ["dramatiq"] if dramatiq and broker in ("redis", "amqp", "sentinel")
                 and not args.results
