@@ -306,7 +306,9 @@ class Floor:
 
     def before_wait(self) -> None:
         room = self.room()
-        if self.takes_out or time.monotonic() < self.empty_until:
+        if self.empty_until and time.monotonic() >= self.empty_until:
+            self.empty_until = 0.0      # (looked again below: a poll a millisecond, no spin)
+        if self.takes_out or self.empty_until:
             room = 0
         if self.held_acks and (room >= self.window // 2 or not self.buffer or (
                 self.broker.pushes and len(self.held_acks) >= self.window // 2)):
