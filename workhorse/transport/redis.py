@@ -75,6 +75,7 @@ from ..protocol import Verdict, after_loss, dead_letter_queue
 from . import fenced, unreadable
 from .luascript import Direct, Script
 from .backlog import Backlog, sent_at, stamp_properties
+from .delivering import Delivering
 
 log = logging.getLogger("workhorse.transport.redis")
 
@@ -448,7 +449,7 @@ class QoS(redis.QoS):
         return sorted(lost)
 
 
-class Channel(redis.Channel):
+class Channel(Delivering, redis.Channel):
     """kombu's Redis channel, consumed with ``take`` instead of BRPOP."""
 
     QoS = QoS
@@ -679,7 +680,7 @@ class Channel(redis.Channel):
                 info = properties["delivery_info"] = {}
             info["delivery_count"] = int(count)
             self.qos._taken[properties["delivery_tag"]] = score
-            self.connection._deliver(message, queue)
+            self.deliver_taken(message, queue)
         burials: list[Callable[[], None]] = [
             partial(self._bury_taken, queue, tag, score, payload, why)
             for queue, tag, payload, why in unreadable_taken]

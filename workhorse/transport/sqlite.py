@@ -50,6 +50,7 @@ from kombu.utils.json import dumps
 from ..protocol import Verdict, after_loss, dead_letter_queue
 from . import fenced, unreadable
 from .backlog import Backlog, stamp_properties
+from .delivering import Delivering
 from .store import BrokerFileError, Store, parse_tag
 from .wake import Notifier
 
@@ -103,7 +104,7 @@ class QoS(virtual.QoS):
         return []
 
 
-class Channel(virtual.Channel):
+class Channel(Delivering):
     QoS = QoS
     do_restore = True
     #: A fanout exchange (Celery's broadcast mailbox, ``celery.pidbox``) puts a copy in
@@ -178,8 +179,7 @@ class Channel(virtual.Channel):
             if message is None:
                 unreadable_taken.append((queue, (ident, token), payload, why or ""))
             else:
-                self.connection._deliver(self._leased(message, ident, token, deliveries),
-                                         queue)
+                self.deliver_taken(self._leased(message, ident, token, deliveries), queue)
         if wait:
             for queue, lease, payload, why in unreadable_taken:
                 self._bury(queue, lease, payload, why)
