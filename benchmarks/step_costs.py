@@ -60,6 +60,10 @@ STEPS: list[tuple[int, str, str, str, str]] = [
      "ForkedProcess", "send"),
     (0, "a take sent (Redis, before the loop waits)", "workhorse.broker.link", "BrokerLink",
      "_send_take"),
+    (0, "acks and a take made here (SQLite, before the loop waits)", "workhorse.broker.link",
+     "BrokerLink", "_take_here"),
+    (1, "the transaction", "workhorse.transport.store", "Store", "lease_many"),
+    (1, "messages made of it (kombu's)", "workhorse.transport.sqlite", "Channel", "take"),
     (0, "room and credit said to the broker side", "workhorse.daemon.supervisor",
      "Supervisor", "_changed"),
 ]
