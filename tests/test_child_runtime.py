@@ -148,3 +148,26 @@ def test_while_the_limit_is_armed_the_signal_waits_for_the_frame_to_be_whole(wri
     assert signalled > 0
     assert isinstance(error, SoftTimeLimitExceeded)
     assert frames == [frame]
+
+
+@pytest.mark.parametrize("measure", [True, False])
+def test_a_child_reads_its_memory_only_where_it_is_compared_with_a_limit(measure):
+    """Its RSS after each task (one ``pread``) is for max_memory_per_child alone: with no
+    limit the child neither opens /proc/self/statm nor reads it, and reports 0."""
+    r, w = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            runtime = ChildRuntime(None, 1, -1, w, parent, "host",  # type: ignore[arg-type]
+                                   measure_memory=measure)
+            runtime.setup([])
+            os.write(w, f"{runtime._statm is not None} {runtime.rss()}".encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    opened, rss = os.read(r, 100).decode().split()
+    os.close(r)
+    assert opened == str(measure)
+    assert (int(rss) > 1024 * 1024) if measure else (int(rss) == 0)

@@ -680,7 +680,8 @@ class Supervisor:
 
     def _make_runtime(self, number: int, read_fd: int, write_fd: int) -> ChildRuntime:
         return ChildRuntime(self.app, number, read_fd, write_fd, self.system.getpid(),
-                            self.hostname)
+                            self.hostname,
+                            measure_memory=bool(self.slots.recycling.max_memory))
 
     # ------------------------------------------------------------------ signals
     def _on_signals(self) -> None:

@@ -233,9 +233,8 @@ class TaskExecution:
     # ------------------------------------------------------------------ outcomes
     def _run(self, task: Task, args: list[Any], kwargs: dict[str, Any]
              ) -> Generator[Callable[[], Any], Any, Finished]:
-        backend = self.app.backend
         if self.job.track_started and self.store:
-            backend.mark_as_started(self.task_id, request=self.info)
+            self.app.backend.mark_as_started(self.task_id, request=self.info)
         started = time.monotonic()
         try:
             retval = yield (partial(task.run, task, *args, **kwargs) if task.bind

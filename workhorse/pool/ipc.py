@@ -98,7 +98,8 @@ class Done(NamedTuple):
     seq: int
     outcome: str           # an Outcome value
     detail: str | None = None
-    rss: int = 0           # the child's resident set size in bytes, measured after the task
+    rss: int = 0           # the child's resident set size in bytes after the task (0: not
+    #                        measured, with no max_memory_per_child)
     runtime: float | None = None    # seconds the task body ran, if it ran
     result: str | None = None       # events on: the return value's repr
     traceback: str | None = None    # events on: a failure's traceback

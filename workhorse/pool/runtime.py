@@ -51,7 +51,8 @@ class ChildRuntime:
     """Everything a child does, from setup after fork to exit."""
 
     def __init__(self, app: App, index: int, read_fd: int, write_fd: int,
-                 supervisor_pid: int, hostname: str, heart: Heart | None = None) -> None:
+                 supervisor_pid: int, hostname: str, heart: Heart | None = None, *,
+                 measure_memory: bool = True) -> None:
         self.app = app
         self.index = index
         self.read_fd = read_fd
@@ -62,8 +63,10 @@ class ChildRuntime:
         self.current = ""                    # the running task's label, for logs
         # Set in setup(), after fork: made here they would name the supervisor.
         self.pid = 0
-        #: /proc/self/statm, kept open: the RSS is read after every task (one pread).
+        #: /proc/self/statm, kept open: the RSS is read after every task (one pread), where
+        #: the supervisor compares it with max_memory_per_child (``measure_memory``).
         self._statm: int | None = None
+        self.measure_memory = measure_memory
         self._frames: FrameStream | None = None
         #: Shared with the supervisor: the event loop's beats, and whose code runs on it.
         self.heart = heart or Heart()
@@ -75,7 +78,8 @@ class ChildRuntime:
         """Fork hygiene: own group, die with the supervisor, own signals, no supervisor fds."""
         self.pid = os.getpid()
         try:
-            self._statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+            if self.measure_memory:
+                self._statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             self._statm = None          # no /proc: RSS reads as 0, memory is not checked
         self._frames = FrameStream(self.read_fd)
@@ -209,7 +213,8 @@ class ChildRuntime:
                     finished.traceback and finished.traceback[:MAX_DETAIL])
 
     def rss(self) -> int:
-        """This child's resident set size in bytes (0 if it cannot be read)."""
+        """This child's resident set size in bytes (0 if it cannot be read, or is not
+        measured: no max_memory_per_child to compare it with)."""
         if self._statm is None:
             return 0
         try:
