@@ -43,6 +43,8 @@ def main() -> int:
                         help="count the loop thread's system calls (strace -c)")
     parser.add_argument("--calls", action="store_true",
                         help="the Python calls a task, by package (cProfile)")
+    parser.add_argument("--top", type=int, default=30,
+                        help="with --calls: how many functions to list by their own time")
     args = parser.parse_args()
     if args.syscalls and shutil.which("strace") is None:
         print("strace is not installed", file=sys.stderr)
@@ -143,7 +145,8 @@ def calls(args: argparse.Namespace) -> int:
                       python_args=("-m", "cProfile", "-o", str(out))) as (_, counter):
             time.sleep(args.seconds)
             tasks = counter.stat().st_size
-        stats = pstats.Stats(str(out)).stats      # type: ignore[attr-defined]
+        profile = pstats.Stats(str(out))
+        stats = profile.stats      # type: ignore[attr-defined]
     by_package: collections.Counter[str] = collections.Counter()
     for (path, _, _), (_, ncalls, _, _, _) in stats.items():
         by_package[_package(path)] += ncalls
@@ -151,6 +154,12 @@ def calls(args: argparse.Namespace) -> int:
           "calls a task:")
     for package, count in by_package.most_common(15):
         print(f"  {count / tasks:7.1f}  {package}")
+    print("the functions with the most time of their own (cProfile's, which slows the "
+          "smallest calls most), µs a task:")
+    own = sorted(stats.items(), key=lambda item: -item[1][2])
+    for (path, line, name), (_, ncalls, tottime, _, _) in own[:args.top]:
+        print(f"  {tottime / tasks * 1e6:7.2f}  {ncalls / tasks:6.2f} calls  "
+              f"{_package(path)}:{line} {name}")
     return 0
 
 
