@@ -254,13 +254,16 @@ class Dispatch:
             delivery_info["redelivered"] = True
         priority = (message.properties or {}).get("priority")
         delivery_info.setdefault("priority", priority)      # as Celery's request has it
+        # The message's headers and properties as they are, not copies: the frame is
+        # encoded as the job is written (ipc.encode; a mapping that is not a dict goes
+        # pickled), and nothing keeps the Job after that.
         job = Job(delivery.seq, request.task, message.body, message.content_type,
-                  message.content_encoding, dict(message.headers or {}),
+                  message.content_encoding, message.headers or {},
                   delivery_info, self._track_started(delivery.task),
                   str(delivery.queue), priority,   # (not a QueueName: see ipc.encode)
                   delivery.policy.acks_late, claim_owner=self.claim_owner(delivery.seq),
                   claim_ttl=self.current.settings.visibility_timeout,
-                  properties=dict(message.properties or {}), events=self.events.on)
+                  properties=message.properties or {}, events=self.events.on)
         if delivery.asynchronous:       # its child keeps its limits
             hard, soft = self._limits(delivery)
             job = job._replace(asynchronous=True, soft_limit=soft, hard_limit=hard)

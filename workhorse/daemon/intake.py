@@ -116,13 +116,13 @@ class Intake:
             return
         if self.events.on:
             self.events.received(delivery)
-        now = self.now()
-        if request.eta is not None and request.eta > now:
-            delay = (request.eta - now).total_seconds()
+        eta = request.eta
+        if eta is not None and eta > (now := self.now()):     # (a clock read only for one)
+            delay = (eta - now).total_seconds()
             if (delay >= DELAY_ON_BROKER and self.accepting()
                     and self.settlement.hand_back_later(delivery, delay)):
                 log.debug("%s: due at %s; back through the broker's delay levels",
-                          delivery.label, request.eta.isoformat())
+                          delivery.label, eta.isoformat())
                 return
             self.schedule(delivery, delay)
         elif self.holding.async_window and not self.holding.fits(delivery):
