@@ -266,6 +266,7 @@ class FakeLink(FakeBroker):
         self.cancelled = False
         self.push = False
         self.leased = False
+        self.room_read_before_wait = False
         self.connected = True
         self.where = "memory://"
         self.queues = ["q"]

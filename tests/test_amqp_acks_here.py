@@ -60,6 +60,7 @@ def amqp_link(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[AmqpLi
 def test_on_rabbitmq_the_loop_writes_acks_at_start_and_their_tasks_start_next_turn(
         amqp_link):
     it = amqp_link
+    assert not it.link.room_read_before_wait      # a credit: every change said at once
     it.deliveries(3)
     it.ack_at_start()
     it.link.flush()

@@ -77,6 +77,7 @@ def redis_link(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Redis
 def test_on_redis_the_loop_sends_its_take_and_reads_the_answer_when_it_comes(redis_link):
     it = redis_link
     it.publish(10)
+    assert it.link.room_read_before_wait    # (the supervisor's settles say it a turn later)
     it.room(8)
     it.loop.wait(0)
     assert it.link._pipe is not None and len(it.link._out) == 1   # sent, not waited for

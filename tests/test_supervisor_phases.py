@@ -236,3 +236,25 @@ def test_a_copy_held_back_while_its_twin_runs_goes_to_its_child_as_redelivered()
     marked = {j.properties["delivery_tag"]: j.delivery_info.get("redelivered") is True
               for j in jobs[1:]}
     assert len(jobs) == 3 and marked == {"tag-1": True, "tag-2": False}
+
+
+@pytest.mark.parametrize("before_wait", [False, True])
+def test_a_settled_task_says_its_freed_place_at_once_or_at_the_next_turn(before_wait):
+    """A task's end frees a place in the window. Where the broker side reads the room only
+    before the loop waits (SQLite and Redis, taking on the loop thread), the next turn's
+    room says it, once for the turn; elsewhere (RabbitMQ's credit, a broker thread that
+    fetches) it is said at once. A place taken away is said at once on every broker."""
+    supervisor, clock, os_, link = running_supervisor(concurrency=1, prefetch_multiplier=2)
+    link.room_read_before_wait = before_wait
+    receive(supervisor, message(), message())
+    supervisor._changed()
+    assert link.rooms[-1] == 0                       # one runs, one waits: the window full
+    said = len(link.rooms)
+    finish(supervisor, os_, 0, 1)                    # acked; the second starts
+    assert link.calls[-1][0] == "ack"
+    assert len(link.rooms) == (said if before_wait else said + 1)
+    supervisor._changed()                            # the top of the loop's next turn
+    assert link.rooms[-1] == 1
+    said = len(link.rooms)
+    supervisor.intake._pause_fetching(5.0)           # less room: at once, whatever the link
+    assert len(link.rooms) == said + 1 and link.rooms[-1] == 0

@@ -148,6 +148,7 @@ def test_on_sqlite_the_loop_acks_and_takes_itself_without_the_broker_thread(
     it = unstarted_sqlite_link
     it.publish(10)
     it.start()
+    assert it.link.room_read_before_wait    # (the supervisor's settles say it a turn later)
     it.link.set_room(8)
     assert it.received == []                # the turn goes on: its jobs come first
     it.loop.wait(0)

@@ -168,6 +168,14 @@ class BrokerLink:
 
     # ------------------------------------------------------------------ room and credit
     @property
+    def room_read_before_wait(self) -> bool:
+        """SQLite and Redis while the takes are made on the loop thread (``_take_here``):
+        the room said is read when the loop is about to wait (``_before_wait``), or by a
+        take the ack timer makes meanwhile, which then takes less at most. RabbitMQ's
+        credit, and a broker thread that fetches, act on it at once."""
+        return self.takes_here and not self.push
+
+    @property
     def batch(self) -> int:
         """Free places worth a fetch of their own while children still have work buffered,
         and acks worth a wakeup of their own: half the prefetch window; three quarters

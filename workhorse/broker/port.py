@@ -42,6 +42,11 @@ class BrokerPort(Protocol):
     #: for quorum queues): ``hand_back_later``.
     delayable: frozenset[str]
 
+    @property
+    def room_read_before_wait(self) -> bool:
+        """Is the room ``set_room`` says acted on only before the loop waits (the takes
+        made then, on the loop thread)? Then more room said later in a turn is as good."""
+
     # -- life cycle
     def start(self) -> None: ...
     def use_journal(self, journal: Journal) -> None: ...

@@ -135,7 +135,8 @@ class Supervisor:
             settings.broker_connection_max_retries,
             settings.broker_connection_retry_on_startup, self._acked_running)
         self.settlement = Settlement(self.current, self.link, self.loop, self.holding,
-                                     self.hostname, result_retry_policy(settings), self._changed)
+                                     self.hostname, result_retry_policy(settings),
+                                     self._settled)
         self.intake = Intake(self.current, self.loop, self.holding, self.settlement,
                              self.system.monotonic, self.system.now, self._changed,
                              self._accepting)
@@ -252,6 +253,14 @@ class Supervisor:
     # ------------------------------------------------------------------ running
     def _accepting(self) -> bool:
         return self.phase is _RUNNING
+
+    def _settled(self) -> None:
+        """A settlement freed a place in the window, or kept one held while its result is
+        stored: never less room. Where the broker side acts on the room only before the
+        loop waits, the next turn's ``_changed`` says it (one room update a turn, not one
+        a task); a decrease (a pause, a smaller window, a stop) is always said at once."""
+        if not self.link.room_read_before_wait:
+            self._changed()
 
     def _changed(self) -> None:
         """Something held changed: the broker's credit and the broker thread's room follow."""
