@@ -226,3 +226,35 @@ def test_a_new_socket_on_the_same_number_is_watched_anew(redis_link):
     assert fd == old_fd                 # (the lowest free number: the case that matters)
     assert it.loop._keys[fd].data == it.link._read_sent
     assert it.link.thread.fetches_done >= 2
+
+
+def test_a_take_asked_for_while_one_is_out_waits_for_the_room_said_after_its_answer(
+        redis_link):
+    """A take asked for while another is out is not sent blind when the answer comes in:
+    that answer may have filled the buffer, and a take of the place or two freed meanwhile
+    costs a round trip for little. The room said next decides; a late ack held meanwhile
+    goes within ACK_DELAY all the same."""
+    it = redis_link
+    it.publish(20)
+    it.room(2)
+    it.turn_until(lambda: len(it.received) == 2 and it.link._pipe is None, "two messages")
+    it.link.ack(it.received[0])
+    it.room(4)                              # a take of 4 goes out with the ack
+    it.loop.wait(0)
+    assert len(it.link._out) == 1
+    it.link.ack(it.received[1])
+    it.link.set_room(5)                     # a starved window asks again: held back
+    it.loop.wait(0)
+    assert len(it.link._out) == 1 and it.link._deferred
+    it.turn_until(lambda: it.link._pipe is None, "the answer")
+    assert len(it.received) == 2 + 4
+    assert not it.link._want_fetch and it.link._ack_timer is not None   # nothing sent blind
+    it.turn_until(lambda: it.received[1].acknowledged and it.link._pipe is None,
+                  "the held ack, within ACK_DELAY")
+    taken = len(it.received)
+    it.link.received = it.handed
+    it.link.set_room(1, starved=False)      # one place, children busy: not worth a take
+    it.loop.wait(0)
+    assert it.link._pipe is None and len(it.received) == taken
+    it.room(6)                              # a batch's worth: taken
+    it.turn_until(lambda: len(it.received) == taken + 6 and it.link._pipe is None, "a take")

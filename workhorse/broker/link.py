@@ -509,7 +509,16 @@ class BrokerLink:
                 self.thread.nudge()     # it arms the waits on the empty lists
         if self._deferred:          # acks held, or a take asked for, meanwhile
             self._deferred = False
-            self._want_fetch = True     # before the loop waits (_before_wait)
+            if self._urgent:            # an ack at start waits: before the loop waits
+                self._want_fetch = True
+            else:
+                # A take asked for while this one was out is asked again by the room said
+                # next, which knows what this answer brought (sent now, it took the one or
+                # two places freed meanwhile: a round trip for little). Late acks held
+                # meanwhile go within ACK_DELAY, or with that take.
+                self._room_grew = True
+                if self._acks and self._ack_timer is None:
+                    self._ack_timer = self.loop.call_later(ACK_DELAY, self.flush)
         for then in outcomes:       # as the broker thread posts them: next turn
             self.loop.call_later(0, then)
         for arrived in counted:
