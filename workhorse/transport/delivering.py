@@ -19,9 +19,6 @@ from typing import Any
 
 from kombu.transport import virtual
 
-#: What the consumer is given for each message, and whether it acks itself (``no_ack``).
-Receiver = tuple[Callable[[Any], Any], bool]
-
 
 class Delivering(virtual.Channel):
     """A virtual channel whose takes deliver through ``deliver_taken``."""
