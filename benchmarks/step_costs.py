@@ -62,8 +62,9 @@ STEPS: list[tuple[int, str, str, str, str]] = [
      "_send_take"),
     (0, "acks and a take made here (SQLite, before the loop waits)", "workhorse.broker.link",
      "BrokerLink", "_take_here"),
-    (1, "the transaction", "workhorse.transport.store", "Store", "lease_many"),
-    (1, "messages made of it (kombu's)", "workhorse.transport.sqlite", "Channel", "take"),
+    (1, "the take, its messages made (kombu's)", "workhorse.transport.sqlite", "Channel",
+     "take"),
+    (2, "its transaction", "workhorse.transport.store", "Store", "lease_many"),
     (0, "room and credit said to the broker side", "workhorse.daemon.supervisor",
      "Supervisor", "_changed"),
 ]
