@@ -75,7 +75,7 @@ def test_what_kombu_does_more_for_is_left_to_kombu(connection, message):
     assert _message(message, connection.default_channel) is None
 
 
-def consume(connection: Connection, channel: Any, queue: str, got: list[Any]) -> Consumer:
+def consume(channel: Any, queue: str, got: list[Any]) -> Consumer:
     consumer = Consumer(channel, [Queue(queue)], on_message=got.append, no_ack=False,
                         accept=["json"])
     consumer.consume()
@@ -85,7 +85,7 @@ def consume(connection: Connection, channel: Any, queue: str, got: list[Any]) ->
 def test_a_take_delivers_to_the_consumer_with_the_qos_record(connection, tmp_path):
     channel = connection.channel()
     got: list[Any] = []
-    consume(connection, channel, "q", got)
+    consume(channel, "q", got)
     paths: list[str] = []
     kombus = connection.transport._deliver
     connection.transport._deliver = lambda *a: (paths.append("kombu"), kombus(*a))
@@ -107,8 +107,8 @@ def test_another_consumer_of_the_queue_on_the_connection_gets_it_as_kombu_says(c
     first, second = connection.channel(), connection.channel()
     mine: list[Any] = []
     theirs: list[Any] = []
-    consume(connection, first, "q", mine)
-    consume(connection, second, "q", theirs)    # kombu's callback for "q" is now theirs
+    consume(first, "q", mine)
+    consume(second, "q", theirs)    # kombu's callback for "q" is now theirs
     connection.Producer().publish({"n": 1}, routing_key="q", serializer="json")
     assert first.take(limit=1) == 1
     assert mine == [] and [m.payload for m in theirs] == [{"n": 1}]
@@ -118,7 +118,7 @@ def test_another_consumer_of_the_queue_on_the_connection_gets_it_as_kombu_says(c
 def test_a_cancelled_consumer_is_no_longer_delivered_to(connection):
     channel = connection.channel()
     got: list[Any] = []
-    consumer = consume(connection, channel, "q", got)
+    consumer = consume(channel, "q", got)
     consumer.cancel()
     assert channel._receivers == {}
     passed: list[Any] = []
