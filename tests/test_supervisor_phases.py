@@ -258,3 +258,31 @@ def test_a_settled_task_says_its_freed_place_at_once_or_at_the_next_turn(before_
     said = len(link.rooms)
     supervisor.intake._pause_fetching(5.0)           # less room: at once, whatever the link
     assert len(link.rooms) == said + 1 and link.rooms[-1] == 0
+
+
+@pytest.mark.parametrize("before_wait", [False, True])
+def test_an_ack_at_start_says_the_room_at_once_or_at_the_next_turn(before_wait):
+    """An ack at start keeps its message held (acking, then running): it cannot make the
+    room less. Where the broker side reads the room only before the loop waits (SQLite,
+    Redis), neither the ack nor its answer says it: the next turn's room does. RabbitMQ's
+    credit, which the ack shrinks, is said at once and before the ack goes."""
+    supervisor, clock, os_, link = running_supervisor(concurrency=1, prefetch_multiplier=2,
+                                                      acks_late=False)
+    link.room_read_before_wait = before_wait
+    link.push = not before_wait
+    order: list[str] = []
+    credit, ack = link.set_credit, link.ack_then
+    link.set_credit = lambda count: (order.append(f"credit {count}"), credit(count))
+    link.ack_then = lambda m, then: (order.append("ack"), ack(m, then))
+    said = len(link.rooms)
+    receive(supervisor, message())                   # acked at start (answered at once)
+    supervisor._after_events()                       # and started
+    assert [verb for verb, _ in link.calls] == ["ack"]
+    assert [type(f).__name__ for f in os_.handles[0].sent] == ["Job"]
+    if before_wait:
+        assert len(link.rooms) == said and order == ["ack"]
+        supervisor._changed()                        # the top of the loop's next turn
+        assert link.rooms[-1] == 1
+    else:
+        assert len(link.rooms) == said + 2           # at the ack, and at its answer
+        assert order[:2] == ["credit 1", "ack"]      # the window (2) less the one acked

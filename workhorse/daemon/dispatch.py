@@ -48,7 +48,8 @@ class Dispatch:
         self.slots = slots
         self.broker = broker
         self.accepting = accepting
-        #: Credit and room follow what is held: called after an ack at start changes it.
+        #: Credit and room follow what is held: called after an ack at start changes it
+        #: (never to less room: ``Supervisor._no_less_room``).
         self.on_change = on_change
         self.claim_owner = claim_owner
         self.loop = loop

@@ -136,7 +136,7 @@ class Supervisor:
             settings.broker_connection_retry_on_startup, self._acked_running)
         self.settlement = Settlement(self.current, self.link, self.loop, self.holding,
                                      self.hostname, result_retry_policy(settings),
-                                     self._settled)
+                                     self._no_less_room)
         self.intake = Intake(self.current, self.loop, self.holding, self.settlement,
                              self.system.monotonic, self.system.now, self._changed,
                              self._accepting)
@@ -150,7 +150,7 @@ class Supervisor:
                              settings.visibility_timeout, self._changed)
         owner = f"{self.hostname}:{self.system.getpid()}"     # (getpid is a system call)
         self.dispatch = Dispatch(self.current, self.holding, self.intake, self.slots,
-                                 self.link, self._accepting, self._changed,
+                                 self.link, self._accepting, self._no_less_room,
                                  lambda seq: f"{owner}:{seq}",
                                  self.loop, self.system.monotonic)
         self.reloading = Reload(self.current, reload, self.slots, self.holding,
@@ -254,11 +254,15 @@ class Supervisor:
     def _accepting(self) -> bool:
         return self.phase is _RUNNING
 
-    def _settled(self) -> None:
-        """A settlement freed a place in the window, or kept one held while its result is
-        stored: never less room. Where the broker side acts on the room only before the
-        loop waits, the next turn's ``_changed`` says it (one room update a turn, not one
-        a task); a decrease (a pause, a smaller window, a stop) is always said at once."""
+    def _no_less_room(self) -> None:
+        """Something held changed, and the room cannot be less for it: a settlement freed a
+        place in the window or kept one held while its result is stored; an ack at start
+        went out, or came back (its message stays held, waiting for a child, or leaves).
+        Where the broker side acts on the room only before the loop waits, the next turn's
+        ``_changed`` says it, and asks for the acks it finds waiting (one room update a
+        turn, not two or three a task); a decrease (a pause, a smaller window, a stop) is
+        always said at once. RabbitMQ's credit, which an ack at start shrinks before the
+        ack goes, is said at once (it is not read before the wait)."""
         if not self.link.room_read_before_wait:
             self._changed()
 
