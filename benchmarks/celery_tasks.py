@@ -1,6 +1,7 @@
 """The benchmark's tasks for Celery (``-A benchmarks.celery_tasks:celery_app``), configured
-as the benchmarks configure workhorse: prefetch multiplier 4, late acks unless
-$BENCH_ACKS_LATE is false, results only when $BENCH_RESULTS names a store."""
+as the benchmarks configure workhorse: prefetch multiplier 4 ($BENCH_PREFETCH_MULTIPLIER),
+late acks unless $BENCH_ACKS_LATE is false, results only when $BENCH_RESULTS names a
+store."""
 from __future__ import annotations
 
 import os
@@ -18,7 +19,8 @@ celery_app.conf.update(
     result_backend=os.environ.get("BENCH_RESULTS"),       # throughput runs store none
     task_ignore_result=not os.environ.get("BENCH_RESULTS"),
     task_acks_late=os.environ.get("BENCH_ACKS_LATE", "true") == "true",
-    worker_prefetch_multiplier=4, broker_connection_retry_on_startup=True,
+    worker_prefetch_multiplier=int(os.environ.get("BENCH_PREFETCH_MULTIPLIER", "4")),
+    broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
     # a quorum queue (benchmarks/throughput.py --broker quorum): Celery 5.5+ declares it so
     # and consumes it with a per-consumer prefetch

@@ -11,12 +11,13 @@ not a worker anyone should run. One process, one thread, and ``concurrency`` for
 children. For each task it does what a supervisor that holds the window and settles each
 message itself must do, and nothing else:
 
-- takes messages as workhorse does, with the acks due, a window of concurrency x 4: on
-  Redis with workhorse's own take script (``_ACK_TAKE``: the lease, the delivery count and
-  the owner mark) over a bare socket with hiredis's reader, one take in flight; on SQLite
-  with workhorse's own transaction (``Store.lease_many``), on the loop; on RabbitMQ
-  consumed with the window as the prefetch (less the children, with acks at start, so
-  that what is held stays within it), read with workhorse's frame reader;
+- takes messages as workhorse does, with the acks due, a window of concurrency x 4 (x
+  $BENCH_PREFETCH_MULTIPLIER where set): on Redis with workhorse's own take script
+  (``_ACK_TAKE``: the lease, the delivery count and the owner mark) over a bare socket
+  with hiredis's reader, one take in flight; on SQLite with workhorse's own transaction
+  (``Store.lease_many``), on the loop; on RabbitMQ consumed with the window as the
+  prefetch (less the children, with acks at start, so that what is held stays within it),
+  read with workhorse's frame reader;
 - reads each message's task name and id from its headers (Redis, SQLite: its JSON decoded
   and its body from base64; RabbitMQ: the headers table the frame reader decoded);
 - writes the child a job (the name, the id, the body: ``marshal``) and reads its one-byte
@@ -230,7 +231,7 @@ class AmqpTaker:
 
 class Floor:
     def __init__(self, url: str, queue: str, concurrency: int, acks_late: bool) -> None:
-        self.window = concurrency * 4
+        self.window = concurrency * int(os.environ.get("BENCH_PREFETCH_MULTIPLIER", "4"))
         self.broker: RedisTaker | SqliteTaker | AmqpTaker
         if url.startswith("amqp://"):
             self.broker = AmqpTaker(url, queue, self.answered,

@@ -18,30 +18,30 @@ second on the same broker, in one run.
                                                      # benchmarks/floor.py
 
 Every worker gets the same pre-filled queue (Celery's protocol; Dramatiq's own for
-Dramatiq), concurrency and prefetch multiplier 4, ack mode (late acks unless
---acks-early), and results disabled unless --results; it is timed from the first finished
-task to the last. Also printed: the CPU per task of the supervisor (Celery: its main
-process; Dramatiq: its master, which only watches, as its worker processes consume and run
-tasks themselves), the part of it on the main process's main thread (workhorse: the loop
-thread; the rest is its broker thread), and of the processes below it together, and their
-memory (RSS: the largest main process, the mean child) at the end; and the broker server's
-CPU per task over the same span (redis-server, RabbitMQ's beam.smp), which shares the
-machine's two cores with the workers. Then the unique memory (USS) of all the worker's
-processes after the drain, summed, and the machine's limit: its cores divided by the
-server's and the pool's CPU a task (the rate if the supervisor cost nothing), with the
-share of it the worker reached. The machine is shared
-and noisy: runs are interleaved, medians of --repeat are printed, and the ratios of medians.
+Dramatiq), concurrency and prefetch multiplier (4 unless --prefetch-multiplier), ack mode
+(late acks unless --acks-early), and results disabled unless --results; it is timed from
+the first finished task to the last. Also printed: the CPU per task of the supervisor
+(Celery: its main process; Dramatiq: its master, which only watches, as its worker
+processes consume and run tasks themselves), the part of it on the main process's main
+thread (workhorse: the loop thread; the rest is its broker thread), and of the processes
+below it together, and their memory (RSS: the largest main process, the mean child) at the
+end; and the broker server's CPU per task over the same span (redis-server, RabbitMQ's
+beam.smp), which shares the machine's two cores with the workers. Then the unique memory
+(USS) of all the worker's processes after the drain, summed, and the machine's limit: its
+cores divided by the server's and the pool's CPU a task (the rate if the supervisor cost
+nothing), with the share of it the worker reached. The machine is shared and noisy: runs
+are interleaved, medians of --repeat are printed, and the ratios of medians.
 
 Dramatiq runs as ``dramatiq --processes <concurrency> --threads 1`` with its default
-middleware and prefetch; it is skipped where it is not installed (pip install
-'dramatiq[redis,rabbitmq]'), on SQLite, which it has no broker for, and on quorum queues,
-which it does not declare. ``quorum`` is the RabbitMQ server with the run's queue a quorum
-queue: workhorse with ``queue_type = quorum``, Celery with ``task_default_queue_type =
-"quorum"`` (Celery 5.5+ then gives each consumer its own prefetch); --against checkouts
-are skipped there. ``sentinel`` is a Redis Sentinel set the run starts for itself
-(``tests/redis_sentinel.py``: a master, a replica, three sentinels, on ports of their
-own), every worker given the sentinels and the master's name; its server CPU is that of
-all five processes (the replica copies every write).
+middleware and prefetch (2 a process; another --prefetch-multiplier N gives it N); it is
+skipped where it is not installed (pip install 'dramatiq[redis,rabbitmq]'), on SQLite,
+which it has no broker for, and on quorum queues, which it does not declare. ``quorum`` is
+the RabbitMQ server with the run's queue a quorum queue: workhorse with ``queue_type =
+quorum``, Celery with ``task_default_queue_type = "quorum"`` (Celery 5.5+ then gives each
+consumer its own prefetch); --against checkouts are skipped there. ``sentinel`` is a Redis
+Sentinel set the run starts for itself (``tests/redis_sentinel.py``: a master, a replica,
+three sentinels, on ports of their own), every worker given the sentinels and the master's
+name; its server CPU is that of all five processes (the replica copies every write).
 """
 from __future__ import annotations
 
@@ -224,7 +224,7 @@ def results_url(broker: str, workdir: Path) -> str:
 
 def measure(kind: str, broker: str, url: str, task_set: str, count: int, concurrency: int,
             workdir: Path, acks_late: bool = True, results: bool = False,
-            workers: int = 1) -> Run:
+            workers: int = 1, prefetch_multiplier: int = 4) -> Run:
     queue = f"bench-{uuid.uuid4().hex[:8]}"
     task, args = TASK_SETS[task_set]
     counter = workdir / f"{queue}.count"
@@ -239,11 +239,15 @@ def measure(kind: str, broker: str, url: str, task_set: str, count: int, concurr
     root = CHECKOUTS.get(kind, ROOT)
     env.update(PYTHONPATH=str(root), BENCH_COUNTER=str(counter), BENCH_QUEUE=queue,
                WORKHORSE_BROKER_URL=url, WORKHORSE_RESULT_BACKEND="disabled",
-               WORKHORSE_STATE_DIR=str(workdir / "state"), WORKHORSE_PREFETCH_MULTIPLIER="4",
+               WORKHORSE_STATE_DIR=str(workdir / "state"),
+               WORKHORSE_PREFETCH_MULTIPLIER=str(prefetch_multiplier),
+               BENCH_PREFETCH_MULTIPLIER=str(prefetch_multiplier),
                WORKHORSE_ACKS_LATE=str(acks_late).lower(),
                BENCH_ACKS_LATE=str(acks_late).lower(),
                CELERY_BROKER_URL=split_master_name(url)[0], DRAMATIQ_BROKER_URL=url,
                BENCH_MASTER_NAME=split_master_name(url)[1] or "")
+    if prefetch_multiplier != 4:    # (Dramatiq keeps its own default, 2 a process, at 4)
+        env["dramatiq_queue_prefetch"] = str(prefetch_multiplier)
     if broker in QUEUE_TYPES:       # (only then: a checkout before queue_type refuses it)
         env.update(WORKHORSE_QUEUE_TYPE=QUEUE_TYPES[broker], BENCH_QUEUE_TYPE=QUEUE_TYPES[broker])
     if results:
@@ -384,6 +388,9 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=1,
                         help="workers of each kind on the broker (default 1)")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--prefetch-multiplier", type=int, default=4, metavar="N",
+                        help="every worker's window: N a process of the pool (default 4; "
+                             "Dramatiq then keeps its own default, 2 a process)")
     parser.add_argument("--metrics", action="store_true",
                         help="also run workhorse with metrics on, scraped every second")
     parser.add_argument("--one-thread", action="store_true",
@@ -430,7 +437,8 @@ def main() -> int:
     stored = ("stored in " + ", ".join(args.results_url or [results_url(brokers[0], Path())])
               if args.results else "disabled")
     print(f"{args.tasks} no-op tasks ({max(200, args.tasks // 5)} of 10 ms), concurrency "
-          f"{args.concurrency}, {args.workers} worker(s) of each, prefetch multiplier 4, "
+          f"{args.concurrency}, {args.workers} worker(s) of each, prefetch multiplier "
+          f"{args.prefetch_multiplier}, "
           f"acks {' and '.join(modes)}, results "
           f"{stored}"
           f"; medians of {args.repeat} rounds, "
@@ -478,7 +486,8 @@ def main() -> int:
                             run: Run | None = measure(
                                 kind, broker, url, task_set, count, args.concurrency,
                                 workdir, acks_late=mode == "late", results=args.results,
-                                workers=args.workers)
+                                workers=args.workers,
+                                prefetch_multiplier=args.prefetch_multiplier)
                         except RuntimeError as exc:
                             print(f"  {kind} on {broker}: {exc}", file=sys.stderr)
                             run = None
