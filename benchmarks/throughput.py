@@ -33,7 +33,7 @@ nothing), with the share of it the worker reached. The machine is shared and noi
 are interleaved, medians of --repeat are printed, and the ratios of medians.
 
 Dramatiq runs as ``dramatiq --processes <concurrency> --threads 1`` with its default
-middleware and prefetch (2 a process; another --prefetch-multiplier N gives it N); it is
+middleware and prefetch (2 a process; --prefetch-multiplier N gives it N, as the others); it is
 skipped where it is not installed (pip install 'dramatiq[redis,rabbitmq]'), on SQLite,
 which it has no broker for, and on quorum queues, which it does not declare. ``quorum`` is
 the RabbitMQ server with the run's queue a quorum queue: workhorse with ``queue_type =
@@ -224,7 +224,7 @@ def results_url(broker: str, workdir: Path) -> str:
 
 def measure(kind: str, broker: str, url: str, task_set: str, count: int, concurrency: int,
             workdir: Path, acks_late: bool = True, results: bool = False,
-            workers: int = 1, prefetch_multiplier: int = 4) -> Run:
+            workers: int = 1, prefetch_multiplier: int | None = None) -> Run:
     queue = f"bench-{uuid.uuid4().hex[:8]}"
     task, args = TASK_SETS[task_set]
     counter = workdir / f"{queue}.count"
@@ -240,13 +240,13 @@ def measure(kind: str, broker: str, url: str, task_set: str, count: int, concurr
     env.update(PYTHONPATH=str(root), BENCH_COUNTER=str(counter), BENCH_QUEUE=queue,
                WORKHORSE_BROKER_URL=url, WORKHORSE_RESULT_BACKEND="disabled",
                WORKHORSE_STATE_DIR=str(workdir / "state"),
-               WORKHORSE_PREFETCH_MULTIPLIER=str(prefetch_multiplier),
-               BENCH_PREFETCH_MULTIPLIER=str(prefetch_multiplier),
+               WORKHORSE_PREFETCH_MULTIPLIER=str(prefetch_multiplier or 4),
+               BENCH_PREFETCH_MULTIPLIER=str(prefetch_multiplier or 4),
                WORKHORSE_ACKS_LATE=str(acks_late).lower(),
                BENCH_ACKS_LATE=str(acks_late).lower(),
                CELERY_BROKER_URL=split_master_name(url)[0], DRAMATIQ_BROKER_URL=url,
                BENCH_MASTER_NAME=split_master_name(url)[1] or "")
-    if prefetch_multiplier != 4:    # (Dramatiq keeps its own default, 2 a process, at 4)
+    if prefetch_multiplier is not None:     # (else Dramatiq keeps its default, 2 a process)
         env["dramatiq_queue_prefetch"] = str(prefetch_multiplier)
     if broker in QUEUE_TYPES:       # (only then: a checkout before queue_type refuses it)
         env.update(WORKHORSE_QUEUE_TYPE=QUEUE_TYPES[broker], BENCH_QUEUE_TYPE=QUEUE_TYPES[broker])
@@ -388,9 +388,10 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=1,
                         help="workers of each kind on the broker (default 1)")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--prefetch-multiplier", type=int, default=4, metavar="N",
-                        help="every worker's window: N a process of the pool (default 4; "
-                             "Dramatiq then keeps its own default, 2 a process)")
+    parser.add_argument("--prefetch-multiplier", type=int, metavar="N",
+                        help="every worker's window: N a process of the pool, Dramatiq's "
+                             "too (without it: 4, and Dramatiq keeps its own default, 2 a "
+                             "process)")
     parser.add_argument("--metrics", action="store_true",
                         help="also run workhorse with metrics on, scraped every second")
     parser.add_argument("--one-thread", action="store_true",
@@ -438,7 +439,8 @@ def main() -> int:
               if args.results else "disabled")
     print(f"{args.tasks} no-op tasks ({max(200, args.tasks // 5)} of 10 ms), concurrency "
           f"{args.concurrency}, {args.workers} worker(s) of each, prefetch multiplier "
-          f"{args.prefetch_multiplier}, "
+          f"{args.prefetch_multiplier or 4}"
+          f"{'' if args.prefetch_multiplier else ' (Dramatiq: its default, 2)'}, "
           f"acks {' and '.join(modes)}, results "
           f"{stored}"
           f"; medians of {args.repeat} rounds, "
