@@ -150,7 +150,9 @@ SETTINGS: tuple[Setting, ...] = (
             reload=False),
     Setting("prefetch_multiplier", "worker", t.integer(1, 1000), 4,
             "The supervisor holds at most concurrency × prefetch_multiplier buffered and running "
-            "messages; 1 fetches only what can start now."),
+            "messages; 1 fetches only what can start now. A larger window lets each take "
+            "(SQLite, Redis) bring more messages in one step, which makes short tasks cheaper "
+            "to hand out, and holds more of them back from other workers on the queue."),
     Setting("async_concurrency", "worker", t.integer(1, 100000), 100,
             "How many async def tasks one child runs at once, on its event loop (a task's own "
             "async_concurrency option can lower it for that task). A child runs either one "
