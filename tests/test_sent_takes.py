@@ -258,3 +258,32 @@ def test_a_take_asked_for_while_one_is_out_waits_for_the_room_said_after_its_ans
     assert it.link._pipe is None and len(it.received) == taken
     it.room(6)                              # a batch's worth: taken
     it.turn_until(lambda: len(it.received) == taken + 6 and it.link._pipe is None, "a take")
+
+
+def test_one_timer_gives_up_on_answers_whatever_the_takes_sent(redis_link):
+    """Each take sent here has a second for its answer. One timer watches them all (not
+    one made and cancelled for every take, a take a task with acks at start): due before
+    the oldest answer's second is over, it waits on; due after it, the takes out are given
+    up."""
+    it = redis_link
+    it.publish(8)
+    for _ in range(3):
+        _take_two(it)
+    watching = [entry for entry in it.loop._timers if entry[2].callback == it.link._out_due]
+    assert len(watching) == 1       # (not one for each take, cancelled but in the heap)
+    given_up: list[BaseException] = []
+    it.link._sent_failed = given_up.append     # type: ignore[method-assign]
+    it.room(2)
+    it.loop.wait(0)                 # sent; its answer not read yet
+    assert it.link._pipe is not None
+    timer = it.link._out_timer
+    assert timer is not None and not timer.cancelled
+    timer.callback()                # due early (an older pipe's time): waits on
+    again = it.link._out_timer
+    assert given_up == [] and again is not None and again is not timer
+    assert again.when == it.link._out_deadline > it.loop.clock()
+    it.link._out_deadline = it.loop.clock() - 0.001
+    again.callback()                # its second is over: given up
+    assert len(given_up) == 1 and isinstance(given_up[0], TimeoutError)
+    del it.link._sent_failed
+    it.turn_until(lambda: it.link._pipe is None, "the answer, read all the same")

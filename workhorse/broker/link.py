@@ -92,6 +92,8 @@ class BrokerLink:
         #: RabbitMQ quorum queues: each consumer's own prefetch, paced by the broker thread.
         self.paced = False
         self._out_timer: Timer | None = None
+        #: When the oldest answer still out on ``_pipe`` is given up (``_out_due``).
+        self._out_deadline = 0.0
         self._deferred = False
         self._sends_paused_until = 0.0
         self.received = 0       # messages handed to the loop so far (for Room)
@@ -446,7 +448,9 @@ class BrokerLink:
         self._out_acks.append(acks)
         if pipe is None:
             self._pipe = sent.pipe
-            self._out_timer = self.loop.call_later(SENT_TAKE_TIMEOUT, self._sent_late)
+            self._out_deadline = self.loop.clock() + SENT_TAKE_TIMEOUT
+            if self._out_timer is None:
+                self._out_timer = self.loop.call_at(self._out_deadline, self._out_due)
             self._watch(sent.pipe)
         return True
 
@@ -496,10 +500,8 @@ class BrokerLink:
         counted = self.thread.counted_arrivals()
         unburied = consumer.has_unburied()
         dry = consumer.found_empty()
-        assert self._out_timer is not None
-        self._out_timer.cancel()
         if self._out:               # the next answer has its own second from now
-            self._out_timer = self.loop.call_later(SENT_TAKE_TIMEOUT, self._sent_late)
+            self._out_deadline = self.loop.clock() + SENT_TAKE_TIMEOUT
         else:
             self._end_pipe()
             self.thread.give_back()
@@ -527,11 +529,21 @@ class BrokerLink:
             self.loop.call_later(0, _nothing)
 
     def _end_pipe(self) -> None:
-        if self._out_timer is not None:
-            self._out_timer.cancel()
-            self._out_timer = None
         self.loop.idle_reader(self._pipe.fd)
         self._pipe = None
+
+    def _out_due(self) -> None:
+        """The timer that gives up on an answer not in by ``_out_deadline``: one timer,
+        moved on only when it is due, where one made and cancelled for every take cost a
+        timer and two heap operations a task with acks at start. Due with no pipe (its
+        answers all in), it goes; the next pipe makes another."""
+        self._out_timer = None
+        if self._pipe is None:
+            return
+        if self.loop.clock() < self._out_deadline:
+            self._out_timer = self.loop.call_at(self._out_deadline, self._out_due)
+            return
+        self._sent_late()
 
     def _sent_late(self) -> None:
         self._sent_failed(TimeoutError(f"no answer from Redis in {SENT_TAKE_TIMEOUT:.0f} s"))

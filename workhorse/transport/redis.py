@@ -268,6 +268,8 @@ class QoS(redis.QoS):
                 self.channel.delivery_counts_key, tag, 1).execute()
 
     def _record_late(self) -> None:
+        if not self._unrecorded:        # (as nearly always: before every take)
+            return
         for tag, entry in list(self._unrecorded.items()):
             score = self._scores.get(tag)
             if score is not None:
@@ -634,7 +636,10 @@ class Channel(Delivering, redis.Channel):
 
     def _take_call(self, limit: int, acks: Sequence[str]) -> _TakeCall | None:
         """The take script's keys and arguments (None: nothing to ask)."""
-        queues = self._queue_cycle.consume(len(self.active_queues)) if limit > 0 else []
+        # (The cycle holds the queues consumed, ``active_queues``, which kombu's property
+        # builds anew for every call: it is kept in step with them by kombu.)
+        cycle = self._queue_cycle
+        queues = cycle.consume(len(cycle.items)) if limit > 0 else []
         if not queues and not acks:
             return None
         lists = self.list_keys(queues)
