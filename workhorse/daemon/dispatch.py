@@ -71,7 +71,7 @@ class Dispatch:
     def dispatch(self) -> None:
         """Give each idle child the next buffered message that may start now. One whose
         ack at start is on its way has an idle child kept for it."""
-        idle = list(self.slots.idle())
+        idle = self.slots.idle()
         self.left_idle = False
         alone = self._alone
         if alone is not None:

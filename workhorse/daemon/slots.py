@@ -140,10 +140,11 @@ class Slots:
             if child is not None and child.state is not EXITED:
                 yield child
 
-    def idle(self) -> Iterator[Child]:
-        for child in self.children():
-            if child.state is IDLE:
-                yield child
+    def idle(self) -> list[Child]:
+        """The live children with nothing to run (every turn's dispatch asks: a list made
+        in one pass, not a generator of a generator)."""
+        return [slot.child for slot in self.slots.values()
+                if slot.child is not None and slot.child.state is IDLE]
 
     @property
     def running(self) -> int:
