@@ -55,6 +55,10 @@ def main() -> int:
     parser.add_argument("--all", action="store_true",
                         help="sample every thread, not only the one holding the GIL (the "
                              "default shows where Python code spends CPU)")
+    parser.add_argument("--child", action="store_true",
+                        help="sample the pool child that has used the most CPU, not the "
+                             "supervisor (the CPU a task is then that child's, its "
+                             "share of the tasks about half)")
     args = parser.parse_args()
     # The venv's bin directory first: running its python does not put it on PATH.
     pyspy = (shutil.which("py-spy", path=str(Path(sys.executable).parent))
@@ -64,9 +68,14 @@ def main() -> int:
         return 2
     with draining(args.broker, args.tasks, args.acks_early, args.results) as (proc, counter):
         main_proc = psutil.Process(proc.pid)
+        if args.child:
+            time.sleep(1)       # (at 200 tasks done, a child's CPU still reads 0)
+            main_proc = max((child for child in main_proc.children()
+                             if child.name().startswith("workhorse: child")),
+                            key=lambda child: sum(child.cpu_times()[:2]))
         done0, cpu0 = counter.stat().st_size, sum(main_proc.cpu_times()[:2])
         raw = counter.parent / "stacks.txt"
-        spy = [pyspy, "record", "-p", str(proc.pid), "-d", str(round(args.seconds)),
+        spy = [pyspy, "record", "-p", str(main_proc.pid), "-d", str(round(args.seconds)),
                "-r", str(args.rate),
                "-f", "raw", "-o", str(raw), "--nonblocking", "--threads"]
         if args.idle:
@@ -83,7 +92,8 @@ def main() -> int:
         print("warning: the queue ran dry while sampling; use more --tasks", file=sys.stderr)
     print(f"{args.broker}, acks_{'early' if args.acks_early else 'late'}, results "
           f"{'stored' if args.results else 'disabled'}: {tasks} tasks in the sampled span, "
-          f"supervisor CPU {(cpu1 - cpu0) / max(tasks, 1) * 1e6:.0f} µs/task "
+          f"{'a child' if args.child else 'supervisor'} CPU "
+          f"{(cpu1 - cpu0) / max(tasks, 1) * 1e6:.0f} µs/task "
           "(py-spy's own sampling included)")
     report(collapsed, args.top)
     return 0
