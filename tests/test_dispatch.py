@@ -81,6 +81,28 @@ def running(parts: Any) -> list[str]:
     return sorted(d.key for d in parts.holding.running)
 
 
+def test_a_message_whose_lease_is_too_old_to_be_sure_of_waits_for_a_renewal():
+    """A lease set more than half the visibility timeout ago (the supervisor was frozen,
+    renewals failed): the message keeps its place, others pass it, and every lease is
+    renewed now; found ours, it starts; found lost, it is dropped (``Leases``). Where no
+    lease is known (RabbitMQ), nothing waits."""
+    parts = make(size=2, visibility_timeout=30.0)
+    broker, dispatch = parts.dispatch.broker, parts.dispatch
+    asked: list[int] = []
+    dispatch.renew_now = lambda: asked.append(1)
+    now = 5000.0
+    dispatch.wall = lambda: now
+    old, fresh, unknown = (arrive(parts, key) for key in ("old", "fresh", "unknown"))
+    broker.leases = {old.request.id: now - 15.5, fresh.request.id: now - 14.5}
+    dispatch.dispatch()
+    assert running(parts) == ["fresh", "unknown"]
+    assert old.stage.value == "buffered" and asked
+    broker.leases[old.request.id] = now - 0.01       # the renewal found it ours
+    finish(parts, fresh)
+    dispatch.dispatch()
+    assert running(parts) == ["old", "unknown"]
+
+
 def test_a_start_is_in_the_journal_before_its_job_reaches_the_child():
     parts = make()
     arrive(parts, "k1")

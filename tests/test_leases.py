@@ -174,6 +174,23 @@ def test_renewal_moves_only_existing_leases(redis_queue):
         assert server.zscore("unacked_index", tag) is None
 
 
+def test_a_lease_is_known_by_its_score_until_it_is_acked(redis_queue):
+    """What the supervisor reads before it starts a buffered message (``lease_set_at``):
+    the score the sweep reads, moved by each renewal; nothing once acked."""
+    _publish(REDIS_URL, redis_queue, REDIS_TRANSPORT)
+    server = redis.Redis.from_url(REDIS_URL)
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        message = _take(conn, redis_queue)
+        tag, channel = message.delivery_tag, message.channel
+        assert channel.lease_set_at(tag) == server.zscore("unacked_index", tag)
+        before = channel.lease_set_at(tag)
+        wait_until(lambda: time.time() > before + 0.01, 1, "the clock to move")
+        assert channel.renew([tag]) == []
+        assert channel.lease_set_at(tag) == server.zscore("unacked_index", tag) > before
+        message.ack()
+        assert channel.lease_set_at(tag) is None
+
+
 # ---------------------------------------------------------------- Redis: the delivery count
 def _take(conn: Connection, queue: str):
     """Take one message the way the worker does (Channel.take, one Lua step)."""

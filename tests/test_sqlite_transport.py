@@ -249,6 +249,28 @@ def test_forgetting_a_lost_lease_takes_back_its_count_from_the_new_holder(tmp_pa
     assert store.ack((new[0], new[1])) is True
 
 
+def test_a_lease_is_known_by_when_it_was_taken_or_last_renewed(url, tmp_path):
+    """What the supervisor reads before it starts a buffered message (``lease_set_at``):
+    when its lease was taken, then renewed; nothing once it is found lost."""
+    store = Store(tmp_path / "broker.sqlite3")
+    with conn(url, vt=0.2) as a, conn(url) as b:
+        a.SimpleQueue("q").put("x")
+        before = time.time()
+        held = a.SimpleQueue("q").get(timeout=1)
+        tag, channel = held.delivery_tag, held.channel
+        taken_at = channel.lease_set_at(tag)
+        assert taken_at is not None and before <= taken_at <= time.time()
+        wait_until(lambda: time.time() > taken_at + 0.01, 1, "the clock to move")
+        assert channel.renew([tag]) == []
+        renewed_at = channel.lease_set_at(tag)
+        assert renewed_at is not None and renewed_at > taken_at
+        wait_until(lambda: store.size("q") == 1, 5, "the lease to expire")
+        b.SimpleQueue("q").get(timeout=1)
+        assert channel.renew([tag]) == [tag]
+        assert channel.lease_set_at(tag) is None
+        assert channel.lease_set_at("1:no-such-lease") is None
+
+
 def test_forget_through_kombu_drops_the_message_and_uncounts_it(url, tmp_path):
     store = Store(tmp_path / "broker.sqlite3")
     with conn(url, vt=0.05) as a, conn(url) as b:

@@ -6,6 +6,7 @@ from datetime import timedelta
 import signal
 from contextlib import nullcontext
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -338,6 +339,32 @@ def test_a_lost_lease_drops_a_buffered_message_but_not_a_running_one():
     leases.renew()
     assert waiting.stage is Stage.SETTLED and active.stage is Stage.RUNNING
     assert broker.calls == [("forget", waiting.request.id)]
+
+
+def test_renewing_now_waits_for_the_answer_out_and_never_comes_twice_a_second():
+    """``renew_now`` (a buffered lease too old to be sure of) renews at once, but not
+    while a renewal's answer is awaited, nor again within a second of the last."""
+    clock = FakeClock()
+    _, app, broker, _, holding = make_settlement(clock)
+    answers: list[Any] = []
+    broker.renew = lambda messages, then: answers.append(then)  # type: ignore[method-assign]
+    leases = Leases(current_of(app), broker, holding, 30.0, lambda: None, clock)
+    holding.buffer_last(delivery(1))
+    leases.renew_now()
+    assert len(answers) == 1
+    clock.t += 5
+    leases.renew_now()              # the answer is not in
+    assert len(answers) == 1
+    answers[0]([])
+    leases.renew_now()
+    assert len(answers) == 2
+    answers[1]([])
+    clock.t += 0.5
+    leases.renew_now()              # (a broker that cannot be reached answers at once)
+    assert len(answers) == 2
+    clock.t += 0.5
+    leases.renew_now()
+    assert len(answers) == 3
 
 
 # ---------------------------------------------------------------------- reconnect

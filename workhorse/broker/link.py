@@ -622,6 +622,16 @@ class BrokerLink:
     def forget(self, message: Message) -> None:
         self.submit(lambda c: c.forget(message), f"{message_label(message)}: forget a lost lease")
 
+    def lease_set_at(self, message: Message) -> float | None:
+        """When the lease of ``message`` was taken or last renewed (epoch seconds, the clock
+        its broker's sweep reads); None where this worker knows of none (RabbitMQ, or the
+        lease is settled or found lost). A look at its channel's own record, one dict
+        read, made on the loop thread while the broker thread may change it."""
+        if not self.leased:
+            return None
+        lease_set_at = getattr(message.channel, "lease_set_at", None)
+        return None if lease_set_at is None else lease_set_at(message.delivery_tag)
+
     def renew(self, messages: list[Message],
               then: Callable[[list[Message]], None]) -> None:
         """Renew the leases of ``messages``; ``then(lost)`` runs on the loop thread."""

@@ -35,6 +35,9 @@ log = logging.getLogger("workhorse.supervisor")
 #: A message whose task id is running here already (RabbitMQ gave it back when the
 #: connection was lost, and delivered it again) waits this long before it is looked at.
 SAME_ID_RECHECK = 1.0
+#: A buffered message starts only while its lease was set or renewed less than this part
+#: of ``visibility_timeout`` ago; renewals come every quarter of it.
+LEASE_TRUSTED_FOR = 0.5
 
 
 class Dispatch:
@@ -67,12 +70,21 @@ class Dispatch:
         self.journal: Journal | None = None
         #: A suspect that runs (or waits for its ack at start), alone.
         self._alone: Delivery | None = None
+        #: Renew every lease held now (``Leases.renew_now``), set by the supervisor.
+        self.renew_now: Callable[[], None] = _nothing
+        #: The settings ``_trusted_for`` was read from (a reload brings others).
+        self._settings: Any = None
+        self._trusted_for = 0.0
 
     def dispatch(self) -> None:
         """Give each idle child the next buffered message that may start now. One whose
         ack at start is on its way has an idle child kept for it."""
         idle = self.slots.idle()
         self.left_idle = False
+        settings = self.current.settings
+        if settings is not self._settings:
+            self._settings = settings
+            self._trusted_for = settings.visibility_timeout * LEASE_TRUSTED_FOR
         alone = self._alone
         if alone is not None:
             if alone.stage in (Stage.RUNNING, Stage.ACKING, Stage.NEW):
@@ -82,7 +94,7 @@ class Dispatch:
             self._dispatch_mixed(idle)
             return
         for child in idle[len(self.holding.acking):]:
-            delivery = self._next_startable(self._rate_limited)
+            delivery = self._next_startable(self._must_wait)
             if delivery is None:
                 self.left_idle = True
                 return
@@ -132,7 +144,7 @@ class Dispatch:
             if place(delivery) is None:
                 waiting_sync = waiting_sync or not delivery.asynchronous
                 return True
-            return self._rate_limited(delivery)
+            return self._must_wait(delivery)
 
         while (delivery := self._next_startable(must_wait)) is not None:
             child = place(delivery)
@@ -190,6 +202,24 @@ class Dispatch:
                 continue
             return delivery
         return None
+
+    def _must_wait(self, delivery: Delivery) -> bool:
+        """Must this buffered message wait (it keeps its place, others pass it)? For its
+        task's rate limit; or, on a leased broker (SQLite, Redis), because its lease may
+        be gone: taken or last renewed ``_trusted_for`` (half the visibility timeout) ago
+        or more, by the clock the broker's sweep reads. Renewals come every quarter of
+        it, so a loop that runs and reaches its broker never sees that; one that was
+        frozen (SIGSTOP, a VM paused) or whose renewals could not get through may have
+        lost the lease, and another worker may run the message already. Every lease held
+        is renewed now: one found ours is fresh again and the message starts; one found
+        lost is dropped (``Leases``), not run here. (An ack at start's message, acked,
+        has no lease left to lose.)"""
+        set_at = self.broker.lease_set_at(delivery.message)
+        if set_at is not None and self.wall() - set_at >= self._trusted_for and (
+                not delivery.acked):
+            self.renew_now()
+            return True
+        return self._rate_limited(delivery)
 
     def _rate_limited(self, delivery: Delivery) -> bool:
         """Must this buffered message wait for its task's rate limit? It keeps its place
@@ -318,3 +348,7 @@ def _alone_in_child(delivery: Delivery) -> bool:
     """An async message charged a delivery before (its child died with it, maybe for it)
     runs in a child of its own: should it kill that child again, no task beside it pays."""
     return delivery.asynchronous and (delivery.deliveries > 1 or delivery.suspect)
+
+
+def _nothing() -> None:
+    pass

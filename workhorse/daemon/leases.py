@@ -4,6 +4,7 @@ claim must not lapse while its child runs it."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from kombu.message import Message
@@ -18,11 +19,14 @@ log = logging.getLogger("workhorse.supervisor")
 
 #: Leases are renewed this many times per visibility_timeout.
 RENEWALS_PER_TIMEOUT = 4
+#: ``renew_now`` renews at most once in this many seconds.
+RENEW_NOW_SPACING = 1.0
 
 
 class Leases:
     def __init__(self, current: Current, broker: BrokerPort, holding: Holding,
-                 visibility_timeout: float, on_change: Callable[[], None]) -> None:
+                 visibility_timeout: float, on_change: Callable[[], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.current = current
         self.broker = broker
         self.holding = holding
@@ -31,6 +35,10 @@ class Leases:
         #: Leases renewed so far (metrics).
         self.renewed = 0
         self._claims_thread: Apart | None = None
+        self.clock = clock
+        #: A renewal's answer is awaited (``renew_now`` asks for no other meanwhile).
+        self._renewing = False
+        self._renewed_at = -RENEW_NOW_SPACING
 
     @property
     def interval(self) -> float:
@@ -44,15 +52,26 @@ class Leases:
             by_message = {id(d.message): d for d in held}
 
             def lost(messages: list[Message]) -> None:      # back on the loop thread
+                self._renewing = False
                 for message in messages:
                     delivery = by_message.get(id(message))
                     if delivery is not None:
                         self._lease_lost(delivery)
+            self._renewing, self._renewed_at = True, self.clock()
             self.broker.renew([d.message for d in held], lost)
             self.renewed += len(held)
         claims = {d.claim[0]: d.claim[1] for d in self.holding.running if d.claim is not None}
         if claims:
             self._claims_call(lambda: self._renew_claims(claims))
+
+    def renew_now(self) -> None:
+        """A buffered message's lease is too old to be sure of (``Dispatch``): renew every
+        lease held now, not at the next interval; unless a renewal's answer is awaited,
+        or one went less than RENEW_NOW_SPACING ago (a broker that cannot be reached
+        answers at once, with nothing renewed: not a renewal a turn)."""
+        if self._renewing or self.clock() - self._renewed_at < RENEW_NOW_SPACING:
+            return
+        self.renew()
 
     def _renew_claims(self, claims: dict[str, str]) -> None:
         for key in self.current.app.backend.renew_claims(claims, self.visibility_timeout):

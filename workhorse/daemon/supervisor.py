@@ -147,12 +147,13 @@ class Supervisor:
                            may_fork=self._may_fork)
         self.slots.loop_block_limit = settings.loop_block_limit
         self.leases = Leases(self.current, self.link, self.holding,
-                             settings.visibility_timeout, self._changed)
+                             settings.visibility_timeout, self._changed, self.system.monotonic)
         owner = f"{self.hostname}:{self.system.getpid()}"     # (getpid is a system call)
         self.dispatch = Dispatch(self.current, self.holding, self.intake, self.slots,
                                  self.link, self._accepting, self._no_less_room,
                                  lambda seq: f"{owner}:{seq}",
                                  self.loop, self.system.monotonic)
+        self.dispatch.renew_now = self.leases.renew_now
         self.reloading = Reload(self.current, reload, self.slots, self.holding,
                                 self.settlement, self.system.monotonic, self._changed)
         #: The worker's Lamport clock (events tick it; remote-control commands move it).

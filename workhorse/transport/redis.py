@@ -480,6 +480,12 @@ class Channel(Delivering, redis.Channel):
     def renew(self, tags: Iterable[str]) -> list[str]:
         return self.qos.renew(tags)
 
+    def lease_set_at(self, tag: str) -> float | None:
+        """When the lease behind ``tag`` was taken or last renewed: its score (epoch
+        seconds, as the sweep reads it); None if this channel holds no such lease."""
+        qos = self._qos     # (kombu's property makes one where there is none: not here)
+        return None if qos is None else qos._scores.get(tag)
+
     def forget(self, delivery_tag: str) -> None:
         """Drop a message whose lease ``renew`` reported lost, uncounting our delivery."""
         self.qos.forget(delivery_tag)

@@ -39,6 +39,7 @@ new one opened (see ``store``).
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from collections.abc import Callable, Iterable, Sequence
 from queue import Empty
@@ -69,6 +70,17 @@ def path_from_url(virtual_host: str | None) -> Path:
 class QoS(virtual.QoS):
     """Acks and rejects go to the database, by lease."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: tag -> when its lease was taken or last renewed (epoch seconds, read before
+        #: the transaction that set it: never later than the lease's own start).
+        self._leased_at: dict[str, float] = {}
+
+    def _flush(self) -> None:
+        for tag in self._dirty:
+            self._leased_at.pop(tag, None)
+        super()._flush()
+
     def ack(self, delivery_tag: str) -> None:
         self.channel.store.ack(parse_tag(delivery_tag))
         super().ack(delivery_tag)
@@ -98,6 +110,7 @@ class QoS(virtual.QoS):
         self._flush()
         tags = list(self._delivered)
         self._delivered.clear()
+        self._leased_at.clear()
         if tags:
             self.channel.store.release(parse_tag(tag) for tag in tags)
             self.channel.connection.wake.notify()
@@ -136,13 +149,14 @@ class Channel(Delivering):
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         while True:
+            now = time.time()
             leased = self.store.lease(queue, self.visibility_timeout)
             if leased is None:
                 raise Empty()
             ident, token, payload, deliveries = leased
             message, why = unreadable.read(payload, tagged=False)
             if message is not None:
-                return self._leased(message, ident, token, deliveries)
+                return self._leased(message, ident, token, deliveries, now)
             self._bury(queue, (ident, token), payload, why or "")
 
     #: At most this many messages per take (one transaction), whatever the room.
@@ -165,6 +179,7 @@ class Channel(Delivering):
         if not queues and not acks:
             return 0
         start = self._rotation % len(queues) if queues else 0
+        now = time.time()
         taken = self.store.lease_many(queues[start:] + queues[:start], self.visibility_timeout,
                                       min(limit, self.MAX_TAKE) if queues else 0,
                                       [parse_tag(tag) for tag in acks], wait=wait)
@@ -179,7 +194,8 @@ class Channel(Delivering):
             if message is None:
                 unreadable_taken.append((queue, (ident, token), payload, why or ""))
             else:
-                self.deliver_taken(self._leased(message, ident, token, deliveries), queue)
+                self.deliver_taken(self._leased(message, ident, token, deliveries, now),
+                                   queue)
         if wait:
             for queue, lease, payload, why in unreadable_taken:
                 self._bury(queue, lease, payload, why)
@@ -194,10 +210,11 @@ class Channel(Delivering):
             self._bury(queue, lease, payload, why)
 
     def _leased(self, message: dict[str, Any], ident: int, token: str,
-                deliveries: int) -> dict[str, Any]:
+                deliveries: int, leased_at: float) -> dict[str, Any]:
         """The raw message as kombu delivers it: the lease as its tag, the count."""
         properties = message["properties"]
-        properties["delivery_tag"] = f"{ident}:{token}"
+        properties["delivery_tag"] = tag = f"{ident}:{token}"
+        self.qos._leased_at[tag] = leased_at
         info = properties.get("delivery_info")
         if not isinstance(info, dict):
             info = properties["delivery_info"] = {}
@@ -217,8 +234,24 @@ class Channel(Delivering):
     def renew(self, tags: Iterable[str]) -> list[str]:
         """Extend the leases behind these delivery tags; return the tags whose lease is lost."""
         tags = list(tags)
+        now = time.time()
         alive = self.store.renew((parse_tag(t) for t in tags), self.visibility_timeout)
-        return [t for t in tags if parse_tag(t) not in alive]
+        leased_at = self.qos._leased_at
+        lost = []
+        for tag in tags:
+            if parse_tag(tag) in alive:
+                if tag in leased_at:
+                    leased_at[tag] = now
+            else:
+                lost.append(tag)
+                leased_at.pop(tag, None)
+        return lost
+
+    def lease_set_at(self, tag: str) -> float | None:
+        """When the lease behind ``tag`` was taken or last renewed (epoch seconds); None
+        if this channel holds no such lease (settled, or found lost)."""
+        qos = self._qos     # (kombu's property makes one where there is none: not here)
+        return None if qos is None else qos._leased_at.get(tag)
 
     def forget(self, delivery_tag: str) -> None:
         """Drop a message whose lease ``renew`` reported lost, uncounting our delivery."""

@@ -1,0 +1,56 @@
+"""A supervisor frozen (SIGSTOP, as a paused VM or a stopped process is) for longer than the
+visibility timeout, while another worker consumes the same queue: the leases of what it
+held run out, and the other worker takes and runs those messages. Woken again (SIGCONT),
+the frozen one must not start what it had buffered but not started: its leases are old,
+so it renews them before it starts anything, and drops those found lost. Only the task
+that was running at the freeze may run twice (its child finished it meanwhile), as with a
+supervisor killed outright. Real daemons, real signals, SQLite and Redis (RabbitMQ holds
+a frozen consumer's messages until its connection is closed: nothing to take)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from .conftest import broker_fixture, runs, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+broker = broker_fixture("sqlite", "redis")
+
+
+def test_what_a_frozen_supervisor_held_but_had_not_started_runs_once(
+        broker, client, start_worker, tmp_path):
+    from tests.apps.basic import record
+    vt = 2.0
+    frozen = start_worker(broker, visibility_timeout=vt, concurrency=1, prefetch_multiplier=4)
+    results = [record.delay(0.5) for _ in range(8)]
+    wait_until(lambda: len(runs(tmp_path)) >= 1, 20, "the first task to start")
+    wait_until(lambda: broker.queue_size() <= 4, 20, "four held by the first worker")
+    os.kill(frozen.proc.pid, signal.SIGSTOP)
+    try:
+        # What its child took before the freeze is started by now (nothing more can
+        # reach it): those may run twice, nothing else.
+        time.sleep(0.5)
+        started_before = {task_id for _, task_id, _ in runs(tmp_path)}
+        start_worker(broker, visibility_timeout=vt, concurrency=2)
+        # Its leases run out, and the other worker runs all it can take.
+        wait_until(lambda: broker.queue_size() == 0 and len(
+            {task_id for _, task_id, _ in runs(tmp_path)}) == len(results), 30,
+            "the other worker to run what the frozen one held")
+        time.sleep(vt)      # (every lease of the frozen one is past its timeout)
+    finally:
+        os.kill(frozen.proc.pid, signal.SIGCONT)
+    for result in results:
+        assert result.get(timeout=60) == result.id
+    frozen.wait_for_log(r"lease lost before it started", 20)
+    # Whatever it would start, it starts within a second of waking, with a child idle.
+    time.sleep(2)
+    counts = {r.id: sum(1 for _, task_id, _ in runs(tmp_path) if task_id == r.id)
+              for r in results}
+    assert all(n >= 1 for n in counts.values()), counts
+    assert all(n == 1 for task_id, n in counts.items() if task_id not in started_before), (
+        counts, started_before)
+    assert frozen.proc.poll() is None, "the frozen worker goes on"
