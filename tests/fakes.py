@@ -153,7 +153,6 @@ class FakeBroker:
     leases: dict[str, float] = field(default_factory=dict)
     renewed_at: float | None = None
     renewals: int = 0
-    alive_checks: int = 0
 
     def _do(self, verb: str, message: Any) -> None:
         if self.fail is not None:
@@ -207,11 +206,6 @@ class FakeBroker:
 
     def lease_set_at(self, message: Any) -> float | None:
         return self.leases.get(message.headers["id"])
-
-    def check_alive(self, then: Callable[[], None]) -> None:
-        """Answers at once (the broker thread would answer later); ``alive_checks`` counts."""
-        self.alive_checks += 1
-        then()
 
     def is_connection_error(self, exc: BaseException) -> bool:
         return isinstance(exc, ConnectionError)

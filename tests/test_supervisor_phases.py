@@ -286,37 +286,3 @@ def test_an_ack_at_start_says_the_room_at_once_or_at_the_next_turn(before_wait):
     else:
         assert len(link.rooms) == said + 2           # at the ack, and at its answer
         assert order[:2] == ["credit 1", "ack"]      # the window (2) less the one acked
-
-
-def test_after_the_loop_was_away_nothing_starts_until_the_connection_is_checked(caplog):
-    """Frozen past STALL (RabbitMQ may have closed the connection and given what we hold
-    to others): the broker thread checks the connection first; a loss it finds takes the
-    buffered messages back before anything could start them."""
-    supervisor, _, os_, link = running_supervisor(concurrency=1)
-    link.push = True
-    answers: list = []
-    link.check_alive = answers.append               # type: ignore[method-assign]
-    first, buffered = message(), message()
-    receive(supervisor, first, buffered)
-    supervisor.loop.away = 61.0
-    with caplog.at_level(logging.WARNING, logger="workhorse.supervisor"):
-        finish(supervisor, os_, 0, 1)
-    assert "away for 61 s" in caplog.text and len(answers) == 1
-    assert [type(f) for f in os_.handles[0].sent] == [Job], "nothing more started"
-    supervisor._after_events()
-    assert [type(f) for f in os_.handles[0].sent] == [Job]
-    answers[0]()                                     # connected still
-    supervisor._after_events()
-    assert [f.headers["id"] for f in os_.handles[0].sent] == [
-        first.headers["id"], buffered.headers["id"]]
-    assert supervisor.loop.away == 0.0
-
-
-def test_after_the_loop_was_away_leased_brokers_renew_at_once():
-    supervisor, _, _, link = running_supervisor(concurrency=1)
-    receive(supervisor, message(), message())
-    link.leased = True
-    before = link.renewals
-    supervisor.loop.away = 61.0
-    supervisor._after_events()
-    assert link.renewals == before + 1 and link.alive_checks == 0

@@ -14,10 +14,6 @@ from collections.abc import Callable
 
 Callback = Callable[[], None]
 
-#: The loop was away this much longer than it meant to be (frozen: SIGSTOP, a paused VM;
-#: or a turn that blocked): ``Loop.away`` says how long, for the supervisor to look at.
-STALL = 5.0
-
 log = logging.getLogger("workhorse.supervisor")
 
 
@@ -49,10 +45,6 @@ class Loop:
         self._timers: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
         self._before_wait: list[Callback] = []
-        #: When the last wait returned; and the longest time the loop was away (past
-        #: STALL) since the supervisor last took it (``took_away``).
-        self._returned: float | None = None
-        self.away = 0.0
 
     # -- readers
     def add_reader(self, fd: int, callback: Callback) -> None:
@@ -153,26 +145,10 @@ class Loop:
         ``before_wait`` callbacks."""
         for callback in self._before_wait:
             callback()
-        before = self.clock()
-        timeout = self.next_timeout(before)
+        timeout = self.next_timeout(self.clock())
         if max_timeout is not None:
             timeout = max_timeout if timeout is None else min(timeout, max_timeout)
-        events = self.selector.select(timeout)
-        after = self.clock()
-        # Away: in the turn before this wait (its work took that long), or in the wait
-        # past its timeout. Either way nothing here ran, the broker thread neither.
-        busy = 0.0 if self._returned is None else before - self._returned
-        overslept = 0.0 if timeout is None else after - before - timeout
-        self._returned = after
-        if busy > STALL or overslept > STALL:
-            self.away = max(self.away, busy, overslept)
-        return events
-
-    def took_away(self) -> float:
-        """How long the loop was away (more than STALL) since this was last asked; 0.0
-        if it was not."""
-        away, self.away = self.away, 0.0
-        return away
+        return self.selector.select(timeout)
 
     def dispatch(self, events: list[tuple[selectors.SelectorKey, int]]) -> None:
         """Run the readers of ``events``, then the timers that are due."""

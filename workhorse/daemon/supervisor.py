@@ -181,9 +181,6 @@ class Supervisor:
         #: Then being ready again is said quietly too: a full disk is one line, not a pair
         #: of them per reconnect.
         self._lost_quietly = False
-        #: The loop was away (frozen) and the broker thread checks the connection: nothing
-        #: starts until it has (RabbitMQ: ``_after_stall``).
-        self._checking_connection = False
         #: Prometheus metrics, when served.
         self.metrics: Metrics | None = None
         self.metrics_server: MetricsServer | None = None
@@ -629,31 +626,9 @@ class Supervisor:
     # ------------------------------------------------------------------ events
     def _after_events(self) -> None:
         self._accept_received()
-        if self.loop.away:
-            self._after_stall(self.loop.took_away())
-        if self._accepting() and not self._checking_connection:
+        if self._accepting():
             self.dispatch.dispatch()
         self._maybe_stopped()
-
-    def _after_stall(self, away: float) -> None:
-        """The loop was away ``away`` seconds (frozen: SIGSTOP, a paused VM), the broker
-        thread with it. RabbitMQ may have closed the connection meanwhile (a consumer
-        silent for its heartbeat timeout) and given what we hold to other consumers: the
-        broker thread reads what the connection holds and checks its heartbeats, so that
-        a connection found gone takes back what is buffered here first, and nothing
-        starts until it has. (SQLite and Redis: each start checks its lease, ``Dispatch``;
-        the leases are renewed now.)"""
-        log.warning("the supervisor was away for %.0f s (frozen?): %s", away,
-                    "checking the broker connection before anything starts"
-                    if self.link.push else "renewing the leases before anything starts")
-        if not self.link.push:
-            self.leases.renew_now()
-            return
-        self._checking_connection = True
-
-        def checked() -> None:
-            self._checking_connection = False
-        self.link.check_alive(checked)
 
     def _accept_received(self) -> None:
         inbox = self.holding.inbox
