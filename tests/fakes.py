@@ -148,11 +148,8 @@ class FakeBroker:
     leased: bool = True
     lost: set[str] = field(default_factory=set)      # task ids whose lease is gone
     delayable: frozenset[str] = frozenset()
-    #: task id -> when its lease was set (epoch seconds); a renewal sets ``renewed_at``
-    #: for every lease not lost, where that is not None. Unlisted: no lease known.
+    #: task id -> when its lease was set (epoch seconds). Unlisted: no lease known.
     leases: dict[str, float] = field(default_factory=dict)
-    renewed_at: float | None = None
-    renewals: int = 0
 
     def _do(self, verb: str, message: Any) -> None:
         if self.fail is not None:
@@ -197,11 +194,6 @@ class FakeBroker:
         self._do("forget", message)
 
     def renew(self, messages: list[Any], then: Callable[[list[Any]], None]) -> None:
-        self.renewals += 1
-        if self.renewed_at is not None:
-            for m in messages:
-                if m.headers["id"] in self.leases and m.headers["id"] not in self.lost:
-                    self.leases[m.headers["id"]] = self.renewed_at
         then([m for m in messages if m.headers["id"] in self.lost])
 
     def lease_set_at(self, message: Any) -> float | None:
