@@ -150,6 +150,7 @@ class FakeBroker:
     delayable: frozenset[str] = frozenset()
     #: task id -> when its lease was set (epoch seconds). Unlisted: no lease known.
     leases: dict[str, float] = field(default_factory=dict)
+    alive_checks: int = 0
 
     def _do(self, verb: str, message: Any) -> None:
         if self.fail is not None:
@@ -198,6 +199,11 @@ class FakeBroker:
 
     def lease_set_at(self, message: Any) -> float | None:
         return self.leases.get(message.headers["id"])
+
+    def check_alive(self, then: Callable[[], None]) -> None:
+        """Answers at once (the broker thread would answer later); ``alive_checks`` counts."""
+        self.alive_checks += 1
+        then()
 
     def is_connection_error(self, exc: BaseException) -> bool:
         return isinstance(exc, ConnectionError)

@@ -15,6 +15,7 @@ from workhorse.daemon import intake as intake_module
 from workhorse.daemon.current import Current
 from workhorse.daemon.dispatch import Dispatch
 from workhorse.daemon.intake import Intake
+from workhorse.daemon.loop import STALL
 from workhorse.outcome import Outcome
 from workhorse.pool.ipc import Done, Job, encode
 from workhorse.protocol import HELD_LOSSES_HEADER, SUSPECT_HEADER
@@ -101,6 +102,46 @@ def test_a_message_whose_lease_is_too_old_to_be_sure_of_waits_for_a_renewal():
     finish(parts, fresh)
     dispatch.dispatch()
     assert running(parts) == ["old", "unknown"]
+
+
+def test_after_the_loop_was_away_an_unleased_message_waits_for_the_connection_check():
+    """No lease (RabbitMQ), and the loop was away STALL seconds or more in this turn so
+    far: the start waits while the supervisor has the connection checked; once checked
+    (and the loop turned), it starts. An acked message (an ack at start) has nothing to
+    lose and starts; where the supervisor needs no check (a leased broker), nothing
+    waits."""
+    parts = make(size=2)
+    dispatch, loop, clock = parts.dispatch, parts.dispatch.loop, parts.dispatch.clock
+    asked: list[float] = []
+
+    def check(away: float) -> bool:
+        asked.append(away)
+        loop.took_away()
+        dispatch.checking = True
+        return True
+    dispatch.check_connection = check
+    loop.wait(0)
+    waits, acked = arrive(parts, "waits"), arrive(parts, "acked")
+    acked.acked = True
+    clock.t += STALL + 1
+    dispatch.dispatch()
+    assert running(parts) == ["acked"] and asked == [pytest.approx(STALL + 1)]
+    assert waits.stage.value == "buffered"
+    dispatch.dispatch()
+    assert running(parts) == ["acked"] and len(asked) == 1
+    dispatch.checking = False
+    loop.wait(0)
+    dispatch.dispatch()
+    assert running(parts) == ["acked", "waits"] and len(asked) == 1
+
+    parts = make(size=2)
+    dispatch, loop, clock = parts.dispatch, parts.dispatch.loop, parts.dispatch.clock
+    dispatch.check_connection = lambda away: False
+    loop.wait(0)
+    arrive(parts, "k")
+    clock.t += STALL + 1
+    dispatch.dispatch()
+    assert running(parts) == ["k"]
 
 
 def test_a_start_is_in_the_journal_before_its_job_reaches_the_child():

@@ -1,11 +1,13 @@
-"""A supervisor frozen (SIGSTOP, as a paused VM or a stopped process is) for longer than the
-visibility timeout, while another worker consumes the same queue: the leases of what it
-held run out, and the other worker takes and runs those messages. Woken again (SIGCONT),
-the frozen one must not start what it had buffered but not started: its leases are old,
-so it renews them before it starts anything, and drops those found lost. Only the task
-that was running at the freeze may run twice (its child finished it meanwhile), as with a
-supervisor killed outright. Real daemons, real signals, SQLite and Redis (RabbitMQ holds
-a frozen consumer's messages until its connection is closed: nothing to take)."""
+"""A supervisor frozen (SIGSTOP, as a paused VM or a stopped process is) long enough for its
+broker to give what it held to another worker consuming the same queue: past the
+visibility timeout on SQLite and Redis (its leases run out), past the heartbeat timeout
+on RabbitMQ (the broker closes its connection). Woken again (SIGCONT), the frozen one
+must not start what it had buffered but not started: on SQLite and Redis its leases are
+old, so it renews them before it starts anything, and drops those found lost; on
+RabbitMQ it has the broker thread read what its connection holds before it starts
+anything, and finds it gone. Only what was running at the freeze may run twice (its
+child finished it meanwhile), as with a supervisor killed outright. Real daemons, real
+signals."""
 from __future__ import annotations
 
 import os
@@ -14,16 +16,15 @@ import time
 
 import pytest
 
-from .conftest import broker_fixture, runs, wait_until
+from .conftest import BrokerEnv, broker_fixture, runs, wait_until
 from .test_delivery import holds
 
-pytestmark = pytest.mark.timeout(180)
-
-broker = broker_fixture("sqlite", "redis")
+broker = broker_fixture("sqlite", "redis", "amqp")
 
 
+@pytest.mark.timeout(300)
 def test_what_a_frozen_supervisor_held_but_had_not_started_runs_once(
-        broker, client, start_worker, tmp_path):
+        broker: BrokerEnv, client, start_worker, tmp_path):
     from tests.apps.basic import record
     vt = 2.0
     frozen = start_worker(broker, visibility_timeout=vt, concurrency=1, prefetch_multiplier=4)
@@ -37,16 +38,18 @@ def test_what_a_frozen_supervisor_held_but_had_not_started_runs_once(
         time.sleep(0.5)
         started_before = {task_id for _, task_id, _ in runs(tmp_path)}
         start_worker(broker, visibility_timeout=vt, concurrency=2)
-        # Its leases run out, and the other worker runs all it can take.
+        # Its leases run out (RabbitMQ: its connection is closed, after 30 s of silence
+        # and more), and the other worker runs all it can take.
         wait_until(lambda: broker.queue_size() == 0 and len(
-            {task_id for _, task_id, _ in runs(tmp_path)}) == len(results), 30,
+            {task_id for _, task_id, _ in runs(tmp_path)}) == len(results), 150,
             "the other worker to run what the frozen one held")
         time.sleep(vt)      # (every lease of the frozen one is past its timeout)
     finally:
         os.kill(frozen.proc.pid, signal.SIGCONT)
     for result in results:
         assert result.get(timeout=60) == result.id
-    frozen.wait_for_log(r"lease lost before it started", 20)
+    frozen.wait_for_log(r"lease lost before it started" if broker.kind != "amqp"
+                        else r"broker connection lost", 20)
 
     def only_the_running_ran_twice() -> bool:
         counts = {r.id: sum(1 for _, task_id, _ in runs(tmp_path) if task_id == r.id)

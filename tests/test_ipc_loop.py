@@ -485,3 +485,33 @@ def test_a_marshalled_frame_that_is_not_a_done_is_corrupt():
         os.close(r)
         os.close(w)
     assert isinstance(mark, Corrupt) and "not a Done" in mark.reason
+
+
+def test_the_loop_measures_how_long_it_was_away_past_what_it_meant():
+    """A wait that returns STALL seconds or more past its timeout, or a turn that took
+    that long (the process was frozen): ``away`` says how long, until taken."""
+    from workhorse.daemon.loop import STALL
+    now = [100.0]
+    loop = Loop(clock=lambda: now[0])
+
+    class Selector:
+        def __init__(self, then: float) -> None:
+            self.then = then
+
+        def select(self, timeout: float | None) -> list:
+            now[0] += self.then
+            return []
+
+    loop.selector = Selector(1.0)               # type: ignore[assignment]
+    loop.wait(max_timeout=2.0)
+    assert loop.away == 0.0                     # back within its timeout
+    loop.selector = Selector(2.0 + STALL + 1)   # type: ignore[assignment]
+    loop.wait(max_timeout=2.0)
+    assert loop.away == pytest.approx(STALL + 1)
+    now[0] += STALL + 3                         # a turn that long
+    loop.selector = Selector(0.0)               # type: ignore[assignment]
+    loop.wait(max_timeout=2.0)
+    assert loop.took_away() == pytest.approx(STALL + 3)
+    assert loop.took_away() == 0.0
+    loop.wait(max_timeout=2.0)
+    assert loop.away == 0.0

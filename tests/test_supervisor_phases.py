@@ -286,3 +286,40 @@ def test_an_ack_at_start_says_the_room_at_once_or_at_the_next_turn(before_wait):
     else:
         assert len(link.rooms) == said + 2           # at the ack, and at its answer
         assert order[:2] == ["credit 1", "ack"]      # the window (2) less the one acked
+
+
+def test_a_start_after_the_loop_was_away_waits_for_the_connection_check(caplog):
+    """Frozen past STALL anywhere in a turn (here: after its wait returned, before a
+    child's Done is read), on RabbitMQ, which may have closed the connection meanwhile
+    and given what we hold to others: nothing starts until the broker thread has checked
+    the connection; a loss it finds takes the buffered messages back first."""
+    supervisor, clock, os_, link = running_supervisor(concurrency=1)
+    link.push = True
+    answers: list = []
+    link.check_alive = answers.append               # type: ignore[method-assign]
+    first, buffered = message(), message()
+    receive(supervisor, first, buffered)
+    supervisor.loop.wait(0)
+    clock.t += 61.0
+    with caplog.at_level(logging.WARNING, logger="workhorse.supervisor"):
+        finish(supervisor, os_, 0, 1)
+    assert "away for 61 s" in caplog.text and len(answers) == 1
+    assert [type(f) for f in os_.handles[0].sent] == [Job], "nothing more started"
+    supervisor._after_events()
+    assert [type(f) for f in os_.handles[0].sent] == [Job] and len(answers) == 1
+    answers[0]()                                     # connected still
+    supervisor.loop.wait(0)                          # (the answer comes in a later turn)
+    supervisor._after_events()
+    assert [f.headers["id"] for f in os_.handles[0].sent] == [
+        first.headers["id"], buffered.headers["id"]]
+
+
+def test_after_the_loop_was_away_leased_brokers_check_no_connection():
+    """SQLite and Redis: each start checks its lease instead (``Dispatch._must_wait``)."""
+    supervisor, clock, os_, link = running_supervisor(concurrency=1)
+    receive(supervisor, message(), message())
+    supervisor.loop.wait(0)
+    clock.t += 61.0
+    finish(supervisor, os_, 0, 1)
+    assert [type(f) for f in os_.handles[0].sent] == [Job, Job]
+    assert link.alive_checks == 0

@@ -648,6 +648,21 @@ class BrokerConsumer:
                 message._state = "ACK"
         return written
 
+    def check_alive(self) -> None:
+        """After the loop was away (frozen): deliver what the connection holds and check
+        the broker's heartbeats, never waiting, so that a connection the broker closed
+        meanwhile (RabbitMQ: a consumer silent past its heartbeat timeout) is found lost
+        and reported. A connection whose heartbeats stopped while we were away is lost
+        too, even if the broker kept it: it is replaced, and the broker gives back what
+        it held, which is what it would do had it closed it."""
+        driver = self.driver
+        if self.connection is None or driver is None:
+            return
+        if driver.capabilities.reads_inline and self.consuming:
+            self._guarded(driver.read_now)
+        if self.connection is not None and self.connection.get_heartbeat_interval():
+            self._guarded(self.connection.heartbeat_check, 2)
+
     def read_now(self) -> bool | None:
         """Deliver what the connection's socket holds now, never waiting (the loop thread
         calls it while the broker thread is parked): RabbitMQ's frames, each handed over

@@ -622,6 +622,17 @@ class BrokerLink:
     def forget(self, message: Message) -> None:
         self.submit(lambda c: c.forget(message), f"{message_label(message)}: forget a lost lease")
 
+    def check_alive(self, then: Callable[[], None]) -> None:
+        """After the loop was away: the broker thread reads what the connection holds and
+        checks the broker's heartbeats (``BrokerConsumer.check_alive``), then ``then()``
+        runs on the loop thread, after the loss of the connection if it found one."""
+        def command(consumer: BrokerConsumer) -> None:
+            try:
+                consumer.check_alive()
+            finally:
+                self.inbox.put(then)
+        self.submit(command, "checking the connection after the loop was away")
+
     def lease_set_at(self, message: Message) -> float | None:
         """When the lease of ``message`` was taken or last renewed (epoch seconds, the clock
         its broker's sweep reads); None where this worker knows of none (RabbitMQ, or the

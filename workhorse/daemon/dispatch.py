@@ -72,6 +72,11 @@ class Dispatch:
         self._alone: Delivery | None = None
         #: Renew every lease held now (``Leases.renew_now``), set by the supervisor.
         self.renew_now: Callable[[], None] = _nothing
+        #: Called when an unleased message (RabbitMQ) would start after the loop was away
+        #: (frozen) that many seconds: True if it is to wait while the connection is
+        #: checked (``checking``). Set by the supervisor.
+        self.check_connection: Callable[[float], bool] = _no_check
+        self.checking = False
         #: The settings ``_trusted_for`` was read from (a reload brings others).
         self._settings: Any = None
         self._trusted_for = 0.0
@@ -213,10 +218,18 @@ class Dispatch:
         lost the lease, and another worker may run the message already. Every lease held
         is renewed now: one found ours is fresh again and the message starts; one found
         lost is dropped (``Leases``), not run here. (An ack at start's message, acked,
-        has no lease left to lose.)"""
+        has no lease left to lose.) On RabbitMQ, which has no lease: after the loop was
+        away STALL seconds or more, while the connection is checked (a connection found
+        lost takes the buffered messages back before they could start)."""
         set_at = self.broker.lease_set_at(delivery.message)
-        if set_at is not None and self.wall() - set_at >= self._trusted_for and (
-                not delivery.acked):
+        if set_at is None:
+            # No lease (RabbitMQ): if the loop was away, the broker may have closed the
+            # connection meanwhile and given the message to another consumer. Checked
+            # here, at the start itself, wherever in a turn the freeze landed.
+            if not delivery.acked and (self.checking or (
+                    (away := self.loop.away_for()) and self.check_connection(away))):
+                return True
+        elif self.wall() - set_at >= self._trusted_for and not delivery.acked:
             self.renew_now()
             return True
         return self._rate_limited(delivery)
@@ -352,3 +365,7 @@ def _alone_in_child(delivery: Delivery) -> bool:
 
 def _nothing() -> None:
     pass
+
+
+def _no_check(away: float) -> bool:
+    return False

@@ -14,6 +14,10 @@ from collections.abc import Callable
 
 Callback = Callable[[], None]
 
+#: The loop was away this much longer than it meant to be (frozen: SIGSTOP, a paused VM;
+#: or a turn that blocked): ``Loop.away_for`` says how long, for a start to look at.
+STALL = 5.0
+
 log = logging.getLogger("workhorse.supervisor")
 
 
@@ -45,6 +49,11 @@ class Loop:
         self._timers: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
         self._before_wait: list[Callback] = []
+        #: When the last wait returned; and the longest time the loop was away (past
+        #: STALL: a wait that returned that late, or a turn that took that long) since it
+        #: was last taken (``took_away``).
+        self._returned: float | None = None
+        self.away = 0.0
 
     # -- readers
     def add_reader(self, fd: int, callback: Callback) -> None:
@@ -145,10 +154,41 @@ class Loop:
         ``before_wait`` callbacks."""
         for callback in self._before_wait:
             callback()
-        timeout = self.next_timeout(self.clock())
+        before = self.clock()
+        timeout = self.next_timeout(before)
         if max_timeout is not None:
             timeout = max_timeout if timeout is None else min(timeout, max_timeout)
-        return self.selector.select(timeout)
+        events = self.selector.select(timeout)
+        after = self.clock()
+        # Away: in the turn before this wait (its work took that long), or in the wait
+        # past its timeout. Either way nothing here ran, the broker thread neither.
+        busy = 0.0 if self._returned is None else before - self._returned
+        overslept = 0.0 if timeout is None else after - before - timeout
+        self._returned = after
+        if busy > STALL or overslept > STALL:
+            self.away = max(self.away, busy, overslept)
+        return events
+
+    def away_for(self) -> float:
+        """How long the loop was away (more than STALL): measured at a wait since
+        ``took_away`` was last asked, or in this turn so far (the process may have been
+        frozen a moment ago, anywhere in it); 0.0 if it was not."""
+        if self.away:
+            return self.away
+        returned = self._returned
+        if returned is None:
+            return 0.0
+        busy = self.clock() - returned
+        return busy if busy > STALL else 0.0
+
+    def took_away(self) -> float:
+        """``away_for()``, then forgotten: from now on, only a new wait that returns late
+        or a turn that takes long from here counts."""
+        away = self.away_for()
+        if away:
+            self.away = 0.0
+            self._returned = self.clock()
+        return away
 
     def dispatch(self, events: list[tuple[selectors.SelectorKey, int]]) -> None:
         """Run the readers of ``events``, then the timers that are due."""

@@ -154,6 +154,7 @@ class Supervisor:
                                  lambda seq: f"{owner}:{seq}",
                                  self.loop, self.system.monotonic)
         self.dispatch.renew_now = self.leases.renew_now
+        self.dispatch.check_connection = self._check_connection
         self.reloading = Reload(self.current, reload, self.slots, self.holding,
                                 self.settlement, self.system.monotonic, self._changed)
         #: The worker's Lamport clock (events tick it; remote-control commands move it).
@@ -629,6 +630,26 @@ class Supervisor:
         if self._accepting():
             self.dispatch.dispatch()
         self._maybe_stopped()
+
+    def _check_connection(self, away: float) -> bool:
+        """A message would start after the loop was away ``away`` seconds (frozen:
+        SIGSTOP, a paused VM), the broker thread with it. On RabbitMQ the broker may have
+        closed the connection meanwhile (a consumer silent past its heartbeat timeout)
+        and given what we hold to other consumers: nothing starts until the broker thread
+        has read what the connection holds and checked its heartbeats, so that a loss it
+        finds takes back the buffered messages first. True: starts wait for that. (SQLite
+        and Redis need no check: each start checks its lease, ``Dispatch._must_wait``.)"""
+        self.loop.took_away()
+        if not self.link.push:
+            return False
+        log.warning("the supervisor was away for %.0f s (frozen?): checking the broker "
+                    "connection before anything starts", away)
+        self.dispatch.checking = True
+
+        def checked() -> None:
+            self.dispatch.checking = False
+        self.link.check_alive(checked)
+        return True
 
     def _accept_received(self) -> None:
         inbox = self.holding.inbox
