@@ -275,3 +275,26 @@ def test_acks_written_in_part_before_a_reconnect_are_not_made(broker, client):
         wait_until(lambda: _drained(consumer, received) == 2, 10, "the delivery again")
         assert received[1].delivery_info["redelivered"]
         consumer.finish_write(received[1].channel)      # nothing left: nothing to do
+
+
+@pytest.mark.parametrize("broker", ["amqp"], indirect=True)
+def test_a_connection_check_reads_past_the_last_heartbeats_to_the_close(broker, client):
+    """After a freeze, the last heartbeats RabbitMQ sent wait in the socket ahead of its
+    close: the check (``BrokerConsumer.check_alive``) reads on to the close and reports
+    the loss. (One read would stop at the heartbeats, whose bytes pass the heartbeat
+    check.) The socket is swapped for one end of a pair, the broker's side played by the
+    other."""
+    losses: list[BaseException] = []
+    with delivered(client, broker, 0, lost=losses.append) as (consumer, _):
+        transport = consumer.connection.connection.transport
+        real, (ours, theirs) = transport.sock, socket.socketpair()
+        ours.settimeout(real.gettimeout())
+        transport.sock = ours
+        try:
+            theirs.sendall(b"\x08\x00\x00\x00\x00\x00\x00\xce" * 2)   # heartbeat frames
+            theirs.close()
+            consumer.check_alive()
+            assert len(losses) == 1 and consumer.connection is None
+        finally:
+            real.close()
+            ours.close()

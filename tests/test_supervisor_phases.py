@@ -8,7 +8,12 @@ import time
 import pytest
 
 from tests.fakes import FakeClock, FakeLink, FakeOS, fake_app, fake_settings, message
-from workhorse.daemon.supervisor import REVOKES_READ_WAIT, Phase, Supervisor
+from workhorse.daemon.supervisor import (
+    CHECK_ANSWER_WAIT,
+    REVOKES_READ_WAIT,
+    Phase,
+    Supervisor,
+)
 from workhorse.outcome import Outcome
 from workhorse.pool.ipc import Done, Job, Stop
 
@@ -323,3 +328,50 @@ def test_after_the_loop_was_away_leased_brokers_check_no_connection():
     finish(supervisor, os_, 0, 1)
     assert [type(f) for f in os_.handles[0].sent] == [Job, Job]
     assert link.alive_checks == 0
+
+
+def test_an_ack_at_start_written_after_a_freeze_starts_only_once_the_connection_is_checked():
+    """RabbitMQ, acks at start: the freeze came between the dispatch and the ack's write,
+    so the ack went to a connection RabbitMQ may have closed already (a write to it
+    succeeds all the same). The acked message waits for the check; the loss the check
+    finds drops it, not run here (RabbitMQ gives it to another consumer)."""
+    supervisor, clock, os_, link = running_supervisor(concurrency=1, acks_late=False)
+    link.push = True
+    answers: list = []
+    link.check_alive = answers.append               # type: ignore[method-assign]
+    acks: list = []
+    link.ack_then = lambda m, then: acks.append(then)  # type: ignore[method-assign]
+    supervisor.loop.wait(0)
+    receive(supervisor, message())
+    assert len(acks) == 1 and not os_.handles[0].sent
+    clock.t += 61.0                                  # frozen before the ack's write
+    acks[0](None)                                    # written: no error
+    supervisor._after_events()
+    assert not os_.handles[0].sent and len(answers) == 1
+    supervisor._broker_lost(ConnectionError("closed by the broker"))     # the check found
+    answers[0]()
+    supervisor.loop.wait(0)
+    supervisor._after_events()
+    assert not os_.handles[0].sent, "not run here"
+    assert not supervisor.holding.unsettled()
+
+
+def test_a_connection_check_not_answered_is_asked_again_and_a_new_connection_ends_it():
+    supervisor, clock, os_, link = running_supervisor(concurrency=1)
+    link.push = True
+    answers: list = []
+    link.check_alive = answers.append               # type: ignore[method-assign]
+    supervisor.loop.wait(0)
+    receive(supervisor, message(), message())
+    clock.t += 61.0
+    finish(supervisor, os_, 0, 1)
+    assert len(answers) == 1 and supervisor.dispatch.checking
+    clock.advance(supervisor.loop, CHECK_ANSWER_WAIT + 0.1)
+    assert len(answers) == 2 and supervisor.dispatch.checking
+    answers[0]()                                     # the first answer, late: enough
+    assert not supervisor.dispatch.checking
+    clock.advance(supervisor.loop, CHECK_ANSWER_WAIT + 0.1)
+    assert len(answers) == 2, "answered: not asked again"
+    supervisor.dispatch.checking = True
+    supervisor._connected()
+    assert not supervisor.dispatch.checking

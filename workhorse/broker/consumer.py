@@ -649,19 +649,23 @@ class BrokerConsumer:
         return written
 
     def check_alive(self) -> None:
-        """After the loop was away (frozen): deliver what the connection holds and check
-        the broker's heartbeats, never waiting, so that a connection the broker closed
+        """After the loop was away (frozen): check the broker's heartbeats and deliver
+        all the connection holds, never waiting, so that a connection the broker closed
         meanwhile (RabbitMQ: a consumer silent past its heartbeat timeout) is found lost
         and reported. A connection whose heartbeats stopped while we were away is lost
         too, even if the broker kept it: it is replaced, and the broker gives back what
         it held, which is what it would do had it closed it."""
-        driver = self.driver
-        if self.connection is None or driver is None:
+        if self.connection is None or self.driver is None:
             return
-        if driver.capabilities.reads_inline and self.consuming:
-            self._guarded(driver.read_now)
-        if self.connection is not None and self.connection.get_heartbeat_interval():
+        # First the heartbeats, before anything read now counts as the broker's: silent
+        # for two intervals, it is lost; else ours goes out if one is due.
+        if self.connection.get_heartbeat_interval():
             self._guarded(self.connection.heartbeat_check, 2)
+        # Then all the socket holds, to its end: a broker that closed the connection
+        # sent its last heartbeats before the close, and one read would stop at them.
+        if self.connection is not None:
+            for fd in self.fds():
+                self.on_readable(fd)
 
     def read_now(self) -> bool | None:
         """Deliver what the connection's socket holds now, never waiting (the loop thread

@@ -225,9 +225,12 @@ class Dispatch:
         if set_at is None:
             # No lease (RabbitMQ): if the loop was away, the broker may have closed the
             # connection meanwhile and given the message to another consumer. Checked
-            # here, at the start itself, wherever in a turn the freeze landed.
-            if not delivery.acked and (self.checking or (
-                    (away := self.loop.away_for()) and self.check_connection(away))):
+            # here, at the start itself, wherever in a turn the freeze landed. An ack at
+            # start's message too: its ack may have been written after the freeze, to a
+            # connection the broker had closed already (a loss the check finds drops it,
+            # not run: at most once).
+            if self.checking or (
+                    (away := self.loop.away_for()) and self.check_connection(away)):
                 return True
         elif self.wall() - set_at >= self._trusted_for and not delivery.acked:
             self.renew_now()

@@ -94,6 +94,9 @@ IDLE_MEMORY_CHECK = 2.0
 #: How long a starting worker waits for remote control to read the revokes kept in the
 #: result store before it consumes anyway (a revoked task it takes meanwhile would run).
 REVOKES_READ_WAIT = 10.0
+#: After a freeze (RabbitMQ): a connection check not answered in this long is asked again
+#: (starts wait for it all the while).
+CHECK_ANSWER_WAIT = 10.0
 
 
 class Phase(str, enum.Enum):
@@ -155,6 +158,7 @@ class Supervisor:
                                  self.loop, self.system.monotonic)
         self.dispatch.renew_now = self.leases.renew_now
         self.dispatch.check_connection = self._check_connection
+        self._asked_check = 0.0     # when the last connection check was asked (loop clock)
         self.reloading = Reload(self.current, reload, self.slots, self.holding,
                                 self.settlement, self.system.monotonic, self._changed)
         #: The worker's Lamport clock (events tick it; remote-control commands move it).
@@ -586,6 +590,9 @@ class Supervisor:
         if self.metrics is not None:
             self.metrics.broker_connections += 1
         self._ready_said = False
+        # What is buffered from now on came through this connection: a check of the
+        # old one (after a freeze) holds nothing back any more.
+        self.dispatch.checking = False
         self._say_ready()
         self.leases.renew()         # before the new connection's sweep can take our leases
         self._changed()
@@ -644,12 +651,27 @@ class Supervisor:
             return False
         log.warning("the supervisor was away for %.0f s (frozen?): checking the broker "
                     "connection before anything starts", away)
+        self._ask_check()
+        return True
+
+    def _ask_check(self) -> None:
+        """Have the broker thread check the connection; starts wait for its answer, asked
+        again every CHECK_ANSWER_WAIT seconds until it comes."""
         self.dispatch.checking = True
+        asked = self.loop.clock()
 
         def checked() -> None:
             self.dispatch.checking = False
+
+        def unanswered() -> None:
+            if self.dispatch.checking and self._asked_check == asked:
+                log.warning("the broker connection's check is not answered after %.0f s; "
+                            "asked again (nothing unleased starts meanwhile)",
+                            CHECK_ANSWER_WAIT)
+                self._ask_check()
+        self._asked_check = asked
         self.link.check_alive(checked)
-        return True
+        self.loop.call_later(CHECK_ANSWER_WAIT, unanswered)
 
     def _accept_received(self) -> None:
         inbox = self.holding.inbox
