@@ -375,3 +375,22 @@ def test_a_connection_check_not_answered_is_asked_again_and_a_new_connection_end
     supervisor.dispatch.checking = True
     supervisor._connected()
     assert not supervisor.dispatch.checking
+
+
+def test_a_wait_that_came_back_late_has_the_connection_checked_at_once(caplog):
+    """A freeze found by the wait (not by a start): checked at once, nothing to start
+    or not, so the check's log and its answer come right after the freeze."""
+    supervisor, clock, os_, link = running_supervisor(concurrency=1)
+    link.push = True
+    answers: list = []
+    link.check_alive = answers.append               # type: ignore[method-assign]
+    supervisor.loop.away = 61.0
+    with caplog.at_level(logging.WARNING, logger="workhorse.supervisor"):
+        supervisor._after_events()
+    assert "away for 61 s" in caplog.text and len(answers) == 1
+    assert supervisor.loop.away == 0.0 and supervisor.dispatch.checking
+    receive(supervisor, message())
+    assert not os_.handles[0].sent and len(answers) == 1
+    answers[0]()
+    supervisor._after_events()
+    assert [type(f) for f in os_.handles[0].sent] == [Job]

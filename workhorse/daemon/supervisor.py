@@ -634,13 +634,16 @@ class Supervisor:
     # ------------------------------------------------------------------ events
     def _after_events(self) -> None:
         self._accept_received()
+        if self.loop.away:      # a wait came back late (frozen): check now, not at a start
+            self._check_connection(self.loop.away)
         if self._accepting():
             self.dispatch.dispatch()
         self._maybe_stopped()
 
     def _check_connection(self, away: float) -> bool:
-        """A message would start after the loop was away ``away`` seconds (frozen:
-        SIGSTOP, a paused VM), the broker thread with it. On RabbitMQ the broker may have
+        """The loop was away ``away`` seconds (frozen: SIGSTOP, a paused VM), the broker
+        thread with it: found by a wait that came back that late, or by a message about
+        to start in a turn that long. On RabbitMQ the broker may have
         closed the connection meanwhile (a consumer silent past its heartbeat timeout)
         and given what we hold to other consumers: nothing starts until the broker thread
         has read what the connection holds and checked its heartbeats, so that a loss it
@@ -649,6 +652,8 @@ class Supervisor:
         self.loop.took_away()
         if not self.link.push:
             return False
+        if self.dispatch.checking:      # (asked already; it answers for this too)
+            return True
         log.warning("the supervisor was away for %.0f s (frozen?): checking the broker "
                     "connection before anything starts", away)
         self._ask_check()
