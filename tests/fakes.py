@@ -89,6 +89,9 @@ class FakeOS:
     def monotonic(self) -> float:
         return self.clock()
 
+    def boottime(self) -> float:
+        return self.clock()
+
     def now(self) -> datetime:
         return self.clock.now()
 

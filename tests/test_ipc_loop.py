@@ -515,3 +515,34 @@ def test_the_loop_measures_how_long_it_was_away_past_what_it_meant():
     assert loop.took_away() == 0.0
     loop.wait(max_timeout=2.0)
     assert loop.away == 0.0
+
+
+def test_a_suspend_the_monotonic_clock_does_not_see_counts_as_away():
+    """The host suspended: ``monotonic`` (the timers' clock) stood still, the away clock
+    (CLOCK_BOOTTIME in a worker) did not. Timers keep their clock."""
+    from workhorse.daemon.loop import STALL
+    monotonic, boot = [100.0], [500.0]
+    loop = Loop(clock=lambda: monotonic[0], away_clock=lambda: boot[0])
+
+    class Selector:
+        def select(self, timeout: float | None) -> list:
+            boot[0] += 1.0 + STALL + 30         # slept through a suspend
+            return []
+
+    fired: list[float] = []
+    loop.call_later(1.0, lambda: fired.append(monotonic[0]))
+    loop.selector = Selector()                  # type: ignore[assignment]
+    loop.run_once(max_timeout=2.0)
+    assert loop.away_for() == pytest.approx(STALL + 30)
+    assert fired == []                          # not due by the timers' clock
+    boot[0] += 0.5
+    assert loop.took_away() == pytest.approx(STALL + 30) and loop.away_for() == 0.0
+
+
+def test_the_worker_measures_being_away_by_clock_boottime():
+    import time
+
+    from workhorse.daemon.system import System
+    before = time.clock_gettime(time.CLOCK_BOOTTIME)
+    read = System().boottime()
+    assert before <= read <= time.clock_gettime(time.CLOCK_BOOTTIME)

@@ -394,3 +394,8 @@ def test_a_wait_that_came_back_late_has_the_connection_checked_at_once(caplog):
     answers[0]()
     supervisor._after_events()
     assert [type(f) for f in os_.handles[0].sent] == [Job]
+
+
+def test_the_supervisor_measures_being_away_by_its_systems_boottime():
+    supervisor, _, os_, _ = running_supervisor()
+    assert supervisor.loop.away_clock == os_.boottime

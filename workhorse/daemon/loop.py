@@ -37,8 +37,12 @@ class Timer:
 
 
 class Loop:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 away_clock: Callable[[], float] | None = None) -> None:
         self.clock = clock
+        #: What measures how long the loop was away (``away_for``): ``clock``, unless
+        #: one that goes on through a suspend of the host is given.
+        self.away_clock = clock if away_clock is None else away_clock
         self.selector = selectors.DefaultSelector()
         #: fd -> its key, as registered: looked up for every event (``dispatch``), where the
         #: selector's own mapping costs four Python calls a lookup.
@@ -154,12 +158,13 @@ class Loop:
         ``before_wait`` callbacks."""
         for callback in self._before_wait:
             callback()
-        before = self.clock()
-        timeout = self.next_timeout(before)
+        clock, away_clock = self.clock, self.away_clock
+        before = away_clock()
+        timeout = self.next_timeout(before if away_clock is clock else clock())
         if max_timeout is not None:
             timeout = max_timeout if timeout is None else min(timeout, max_timeout)
         events = self.selector.select(timeout)
-        after = self.clock()
+        after = away_clock()
         # Away: in the turn before this wait (its work took that long), or in the wait
         # past its timeout. Either way nothing here ran, the broker thread neither.
         busy = 0.0 if self._returned is None else before - self._returned
@@ -178,7 +183,7 @@ class Loop:
         returned = self._returned
         if returned is None:
             return 0.0
-        busy = self.clock() - returned
+        busy = self.away_clock() - returned
         return busy if busy > STALL else 0.0
 
     def took_away(self) -> float:
@@ -187,7 +192,7 @@ class Loop:
         away = self.away_for()
         if away:
             self.away = 0.0
-            self._returned = self.clock()
+            self._returned = self.away_clock()
         return away
 
     def dispatch(self, events: list[tuple[selectors.SelectorKey, int]]) -> None:

@@ -126,7 +126,7 @@ class Supervisor:
         self.exit_code: int = ExitCode.OK
         self._interrupts = 0
         self._purging = False       # a purge of expired results runs on its own thread
-        self.loop = Loop(self.system.monotonic)
+        self.loop = Loop(self.system.monotonic, self.system.boottime)
         self.signals = SignalPipe(HANDLED_SIGNALS)
         size = clamp(settings.concurrency, settings.autoscale)
         self.holding = Holding(*windows(size, settings.prefetch_multiplier,

@@ -4,6 +4,7 @@ holding and settlement be tested against a fake, without forking (supervisord's
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -29,6 +30,10 @@ class System:
 
     #: The clock itself, not a method around it: read several times a task.
     monotonic = staticmethod(time.monotonic)
+
+    #: A clock that, unlike ``monotonic``, goes on while the host is suspended: how long
+    #: the loop was away (``Loop.away_for``) counts a suspend as a freeze.
+    boottime = staticmethod(functools.partial(time.clock_gettime, time.CLOCK_BOOTTIME))
 
     def now(self) -> datetime:
         return datetime.now(UTC)
