@@ -80,14 +80,18 @@ def test_two_thousand_sleeps_run_at_once_on_two_children(aio, broker, start_work
 
 def test_a_soft_limit_raises_in_the_coroutine_on_time(aio, broker, start_worker, tmp_path):
     """SoftTimeLimitExceeded (an Exception) raised at the await where the task waits, which
-    it catches; beside 200 other tasks on the same loop. Median of five: within 50 ms."""
+    it catches; beside 200 other tasks on the same loop. Median of five: within 50 ms.
+    The limit counts from the job's start in the child, where its timer is armed, a
+    moment before the coroutine's first line, which the task measures from (it waits its
+    turn among the others: 2 ms once in CI): never more than 50 ms early by the task's
+    clock either."""
     start(start_worker, broker, tmp_path)
     naps = send_all(aio.nap, 200, 5.0)
     wait_until(lambda: sum(1 for r in records(tmp_path) if r[0] == "start") == 200, 30,
                "the other tasks to start")
     soft = [aio.soft.apply_async((30,), soft_time_limit=0.5) for _ in range(5)]
     afters = sorted(result.get(timeout=30)["soft_after"] for result in soft)
-    assert all(after >= 0.5 for after in afters), afters
+    assert all(after >= 0.45 for after in afters), afters
     assert afters[2] < 0.55, afters
     assert all(result.get(timeout=30) == result.id for result in naps)
 
