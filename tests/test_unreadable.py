@@ -21,6 +21,9 @@ from workhorse.transport.store import Store
 from .conftest import REDIS_URL, require_service, wait_until
 
 TAGGED = {"body": "", "properties": {"delivery_tag": "t1", "body_encoding": "base64"}}
+#: kombu's JSON nested deeper than any decoder here reads (each raises RecursionError).
+TOO_DEEP = ('{"body": "", "properties": {"delivery_tag": "t2", "body_encoding": "base64"}, '
+            '"headers": {"x": ' + "[" * 5000 + "]" * 5000 + "}}")
 
 
 @pytest.mark.parametrize(("raw", "why"), [
@@ -28,6 +31,8 @@ TAGGED = {"body": "", "properties": {"delivery_tag": "t1", "body_encoding": "bas
     (b"garbage{", "not JSON"),
     (b'{"properties": {"delivery_tag": "\xff"}}', "not JSON"),     # not UTF-8
     (b"[1, 2]", "JSON list, not kombu's message object"),
+    (b'{"properties": {"delivery_tag": "t", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}}",
+     "JSON nested too deeply to read"),
     (b'{"body": "e30="}', "no properties object"),
     (b'{"properties": {}}', "no delivery tag"),
     (json.dumps({**TAGGED, "headers": [1]}).encode(), "headers are not an object"),
@@ -79,9 +84,13 @@ def _dead_envelopes(server: redis.Redis, queue: str) -> list[dict]:
     return [json.loads(e) for e in reversed(server.lrange(queue + ".dead", 0, -1))]
 
 
-def test_redis_take_replaces_a_raw_entry_by_its_envelope_and_goes_on(redis_queue):
+@pytest.mark.parametrize(("raw", "why"), [
+    (b"\xff raw", "unreadable: not JSON"),
+    (TOO_DEEP.encode(), "unreadable: JSON nested too deeply to read"),
+])
+def test_redis_take_replaces_a_raw_entry_by_its_envelope_and_goes_on(redis_queue, raw, why):
     server = redis.Redis.from_url(REDIS_URL)
-    server.lpush(redis_queue, b"\xff raw")
+    server.lpush(redis_queue, raw)
     with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
         Producer(conn).publish({"n": 1}, exchange="", routing_key=redis_queue)
         channel, got = _taking(conn, redis_queue)
@@ -89,8 +98,8 @@ def test_redis_take_replaces_a_raw_entry_by_its_envelope_and_goes_on(redis_queue
         assert got[0].payload == {"n": 1}
         got[0].ack()
     [envelope] = _dead_envelopes(server, redis_queue)
-    assert base64.b64decode(envelope["body"]) == b"\xff raw"
-    assert envelope["headers"][DEAD_REASON_HEADER].startswith("unreadable: not JSON")
+    assert base64.b64decode(envelope["body"]) == raw
+    assert envelope["headers"][DEAD_REASON_HEADER].startswith(why)
     assert server.llen(redis_queue) == 0
 
 
@@ -125,10 +134,15 @@ def test_redis_replaces_a_taken_message_python_cannot_read_by_its_envelope(redis
 
 
 # ---------------------------------------------------------------------------- SQLite
-def test_sqlite_replaces_an_unreadable_row_by_its_envelope_and_goes_on(tmp_path: Path):
+@pytest.mark.parametrize(("raw", "why"), [
+    ("garbage{", "unreadable: not JSON"),
+    (TOO_DEEP, "unreadable: JSON nested too deeply to read"),
+])
+def test_sqlite_replaces_an_unreadable_row_by_its_envelope_and_goes_on(tmp_path: Path, raw,
+                                                                       why):
     url = f"sqlite:///{tmp_path / 'broker.sqlite3'}"
     store = Store(tmp_path / "broker.sqlite3")
-    store.put("q", "garbage{")
+    store.put("q", raw)
     with Connection(url) as conn:
         queue = conn.SimpleQueue("q")
         queue.put({"n": 1})
@@ -138,8 +152,8 @@ def test_sqlite_replaces_an_unreadable_row_by_its_envelope_and_goes_on(tmp_path:
     [(_, payload, deliveries, leased)] = store.browse("q.dead")
     assert deliveries == 0 and not leased
     envelope = json.loads(payload)
-    assert base64.b64decode(envelope["body"]) == b"garbage{"
-    assert envelope["headers"][DEAD_REASON_HEADER].startswith("unreadable: not JSON")
+    assert base64.b64decode(envelope["body"]) == raw.encode()
+    assert envelope["headers"][DEAD_REASON_HEADER].startswith(why)
     assert store.browse("q") == []
 
 

@@ -37,6 +37,8 @@ def read(raw: bytes | str, *, tagged: bool) -> tuple[dict[str, Any] | None, str 
         message = _loads(raw)
     except (ValueError, TypeError) as exc:   # UnicodeDecodeError, kombu's typed values
         return None, f"not JSON ({exc})"
+    except RecursionError:      # (no decoder here reads it: kombu's neither)
+        return None, "JSON nested too deeply to read"
     if not isinstance(message, dict):
         return None, f"JSON {type(message).__name__}, not kombu's message object"
     properties = message.get("properties")
