@@ -17,6 +17,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
+import msgspec
 from kombu.utils.json import loads
 
 from ..protocol import DEAD_AT_HEADER, DEAD_QUEUE_HEADER, DEAD_REASON_HEADER, dead_letter_queue
@@ -65,12 +66,28 @@ def _loads(raw: bytes | str) -> Any:
     """kombu's JSON decoding, which turns ``{"__type__": ..., "__value__": ...}`` objects
     into the values they stand for. Its hook runs in Python for every object, and makes
     ``json`` build a decoder per call. Text with neither that key nor an escape (which
-    could spell it) has no such object: the standard decoder gives the same result, in
-    about 4.3 µs instead of 5.1 for a Celery message."""
-    text = raw.decode("utf-8") if isinstance(raw, bytes | bytearray) else raw
-    if "__type__" in text or "\\u" in text:
-        return loads(text)
-    return json.loads(text)
+    could spell it) has no such object: msgspec's decoder reads it, to the same values
+    (integers of any size included), in about 1.4 µs for a Celery message where kombu's
+    takes 5.2 and the standard decoder with no hook 4.3. What msgspec refuses goes to
+    the standard decoder, which reads it as kombu would or says why not: NaN, Infinity,
+    numbers past a float's range, lone surrogate escapes, deep nesting, text that is
+    not JSON."""
+    if type(raw) is bytes:
+        marked = b"__type__" in raw or b"\\u" in raw
+    else:
+        raw = raw.decode("utf-8") if isinstance(raw, bytearray) else raw
+        marked = "__type__" in raw or "\\u" in raw
+    if not marked:
+        try:
+            return _decode(raw)
+        except msgspec.DecodeError:
+            pass
+    text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    return loads(text) if marked else json.loads(text)
+
+
+#: (A decoder made once: msgspec's ``json.decode`` makes one a call.)
+_decode = msgspec.json.Decoder().decode
 
 
 def body(message: dict[str, Any]) -> bytes | str | None:
