@@ -176,6 +176,7 @@ def test_sqlite_bury_changes_nothing_once_the_lease_is_lost(tmp_path: Path):
     b'"__value__": "2020-01-01T00:00:00"}}}',
     '{"properties": {}, "headers": {"k": "caf\\u00e9 \u00e9"}}',
     b'{"properties": {}, "headers": {"k": "\xc3\xa9"}}',
+    b'{"properties": {}, "headers": {"k": "a \\"quoted\\" line\\n\\\\"}}',   # escapes, no \\u
     # what msgspec's decoder refuses, or might read otherwise: the standard one reads it
     b'{"properties": {}, "headers": {"n": NaN, "i": Infinity, "m": -Infinity}}',
     b'{"properties": {}, "headers": {"big": 1e400, "tiny": 1e-400}}',

@@ -70,13 +70,15 @@ def _loads(raw: bytes | str) -> Any:
     (integers of any size included), in about 1.4 µs for a Celery message where kombu's
     takes 5.2 and the standard decoder with no hook 4.3. What msgspec refuses goes to
     the standard decoder, which reads it as kombu would or says why not: NaN, Infinity,
-    numbers past a float's range, lone surrogate escapes, deep nesting, text that is
-    not JSON."""
+    numbers past a float's range, text that is not JSON. (Nesting too deep for it is
+    too deep for any: RecursionError, as from the others.)"""
+    # (A backslash first: a search for one byte is memchr, a fifth of the time the
+    # search for two takes, and most messages have none.)
     if type(raw) is bytes:
-        marked = b"__type__" in raw or b"\\u" in raw
+        marked = b"__type__" in raw or (b"\\" in raw and b"\\u" in raw)
     else:
         raw = raw.decode("utf-8") if isinstance(raw, bytearray) else raw
-        marked = "__type__" in raw or "\\u" in raw
+        marked = "__type__" in raw or ("\\" in raw and "\\u" in raw)
     if not marked:
         try:
             return _decode(raw)
