@@ -126,6 +126,26 @@ def test_an_unknown_type_letter_is_the_same_error():
     assert str(ours.value) == str(theirs.value)
 
 
+@pytest.mark.parametrize("letter", [b"F", b"A"])
+def test_headers_nested_too_deeply_come_as_headers_that_say_so(letter):
+    """py-amqp's reader raises RecursionError; ours gives headers naming the trouble and
+    holding the table's bytes, so the message can be dead-lettered (test_message_formats)."""
+    import base64
+
+    from workhorse.protocol import RAW_HEADERS_HEADER, UNREADABLE_HEADERS_HEADER
+    value = b"V"                            # a table (or an array) in one, 5,000 deep
+    for _ in range(5000):
+        inner = field(b"x", value[:1], value[1:]) if letter == b"F" else value
+        value = letter + struct.pack(">I", len(inner)) + inner
+    table = field(b"x", value[:1], value[1:])
+    with pytest.raises(RecursionError):
+        decode_properties_basic(headers_only(table), 0)
+    properties = decode_basic_properties(headers_only(table) + b"tail", 0)
+    assert properties == {"application_headers": {
+        UNREADABLE_HEADERS_HEADER: "nested too deeply to read",
+        RAW_HEADERS_HEADER: base64.b64encode(table).decode()}}
+
+
 @pytest.mark.parametrize("cut", range(1, 20))
 def test_bytes_that_end_too_soon_read_or_fail_as_with_py_amqp(cut):
     """py-amqp reads a string cut short as the shorter string, and fails on a length or

@@ -3,7 +3,9 @@ result under their id (when they have one) and are dead-lettered; protocol v1 me
 (Celery 3 producers) run like v2 ones."""
 from __future__ import annotations
 
+import base64
 import json
+import sys
 import uuid
 
 import pytest
@@ -11,7 +13,7 @@ from kombu import Producer
 
 from workhorse.broker.consumer import DEAD_REASON_HEADER, DEAD_TASK_HEADER
 from workhorse.exceptions import MalformedMessage
-from workhorse.protocol import build_message
+from workhorse.protocol import RAW_HEADERS_HEADER, build_message
 from workhorse.broker.queues import task_queue
 
 from .conftest import BROKERS, broker_fixture, runs, wait_until
@@ -92,6 +94,39 @@ def test_a_malformed_message_without_an_id_is_dead_lettered_and_nothing_stored(
     dead = wait_until(lambda: broker.drain(broker.queue + ".dead"), 10, "the dead letter")
     assert len(dead) == 1 and dead[0][0].get(DEAD_TASK_HEADER) is None
     assert "'id'" in dead[0][0][DEAD_REASON_HEADER]
+    stored = [name for name, _, _ in runs(tmp_path) if name.startswith("stored:")]
+    assert stored == ["stored:SUCCESS"]                 # add's, nothing for the bad one
+
+
+def test_a_message_nested_too_deeply_to_read_is_dead_lettered_and_the_worker_goes_on(
+        broker, client, start_worker, tmp_path):
+    """Headers nested 3,000 tables deep: no decoder here reads them (each raises
+    RecursionError). On RabbitMQ the message is dead-lettered as malformed, its body as it
+    was and its headers' bytes kept in base64; on SQLite and Redis the whole entry cannot
+    be read, and its envelope keeps it. Either way the message behind it runs: the worker
+    does not fail on it again each time the broker gives it back."""
+    from tests.apps.basic import add
+    start_worker(broker, result_backend=COUNTING)
+    deep: dict = {}
+    for _ in range(3000):
+        deep = {"x": deep}
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20000)        # (the producer's encoders recurse as well)
+    try:
+        publish_raw(broker, b"[[1, 2], {}, {}]",
+                    {"task": "tests.apps.basic.add", "id": "too-deep", "deep": deep})
+    finally:
+        sys.setrecursionlimit(limit)
+    assert add.delay(20, 22).get(timeout=20) == 42
+    dead = wait_until(lambda: broker.drain(broker.queue + ".dead"), 10, "the dead letter")
+    assert len(dead) == 1
+    headers, body = dead[0]
+    assert "nested too deeply to read" in headers[DEAD_REASON_HEADER]
+    if broker.rabbitmq:
+        assert body == b"[[1, 2], {}, {}]"
+        assert base64.b64decode(headers[RAW_HEADERS_HEADER]).count(b"\x01xF") == 3000
+    else:
+        assert b'"too-deep"' in body            # the whole entry, as it was
     stored = [name for name, _, _ in runs(tmp_path) if name.startswith("stored:")]
     assert stored == ["stored:SUCCESS"]                 # add's, nothing for the bad one
 

@@ -41,6 +41,11 @@ DEAD_TASK_HEADER = "x-workhorse-dead-task-id"
 DEAD_AT_HEADER = "x-workhorse-dead-at"
 DEAD_QUEUE_HEADER = "x-workhorse-dead-queue"
 DEAD_WORKER_HEADER = "x-workhorse-dead-worker"
+#: RabbitMQ: a message whose headers (an AMQP field table) nest too deeply for Python to
+#: read comes with these two in their place, why and the table's bytes in base64, and is
+#: dead-lettered as malformed (``transport.amqpframes``): the worker goes on.
+UNREADABLE_HEADERS_HEADER = "x-workhorse-unreadable-headers"
+RAW_HEADERS_HEADER = "x-workhorse-raw-headers"
 #: The content types a worker accepts; pickle is refused because it runs code on load.
 ACCEPT_CONTENT = frozenset({"application/json"})
 ORIGIN = f"gen{os.getpid()}@{socket.gethostname()}"
@@ -415,6 +420,10 @@ def _read_v1(headers: Mapping[str, Any] | None, body: bytes | str,
             content_type: str | None, content_encoding: str | None) -> tuple[Request, Body]:
     """Read a message without a ``task`` header as protocol v1: its body a JSON object
     naming its ``task`` (Celery's own test)."""
+    unreadable = (headers or {}).get(UNREADABLE_HEADERS_HEADER)
+    if unreadable is not None:
+        raise MalformedMessage(f"its headers could not be read ({unreadable}); their bytes "
+                               f"are kept in {RAW_HEADERS_HEADER}, base64")
     fields = _loads(body, content_type, content_encoding)
     if not isinstance(fields, dict) or "task" not in fields:
         raise MalformedMessage(
