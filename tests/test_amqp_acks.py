@@ -298,3 +298,19 @@ def test_a_connection_check_reads_past_the_last_heartbeats_to_the_close(broker, 
         finally:
             real.close()
             ours.close()
+
+
+@pytest.mark.parametrize("broker", ["amqp"], indirect=True)
+@pytest.mark.parametrize("asked", [7.0, 0.0])
+def test_the_consuming_connection_has_the_heartbeat_broker_heartbeat_asks(
+        broker, client, monkeypatch, asked):
+    """RabbitMQ takes the lower of its own (60 s) and the worker's; 0 turns them off."""
+    monkeypatch.setenv("WORKHORSE_BROKER_HEARTBEAT", str(asked))
+    client.configure()
+    assert client.settings.broker_heartbeat == asked
+    with delivered(client, broker, 0) as (consumer, _):
+        assert consumer.connection.get_heartbeat_interval() == asked
+        # The loop's heartbeat checks: a quarter of it apart, none when it is off.
+        checks = [interval for interval, _ in consumer.driver.periodic()
+                  if interval == asked / 4]
+        assert len(checks) == (1 if asked else 0)

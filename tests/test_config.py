@@ -51,6 +51,7 @@ SAMPLES = {
     "rabbitmq_consumer_timeout": ("600", 600.0),
     "broker_connection_retry_on_startup": ("false", False),
     "broker_connection_max_retries": ("5", 5),
+    "broker_heartbeat": ("0", 0.0),
     "loglevel": ("debug", "DEBUG"),
     "hostname": ("w1@host", "w1@host"),
     "state_dir": ("/var/lib/wh", Path("/var/lib/wh")),

@@ -27,7 +27,10 @@ def test_what_a_frozen_supervisor_held_but_had_not_started_runs_once(
         broker: BrokerEnv, client, start_worker, tmp_path):
     from tests.apps.basic import record
     vt = 2.0
-    frozen = start_worker(broker, visibility_timeout=vt, concurrency=1, prefetch_multiplier=4)
+    # (RabbitMQ: a heartbeat timeout of 5 s, where 30 by default made this test wait
+    # some 90 s for the broker to give up on the frozen worker)
+    frozen = start_worker(broker, visibility_timeout=vt, concurrency=1, prefetch_multiplier=4,
+                          broker_heartbeat=5)
     results = [record.delay(0.5) for _ in range(8)]
     wait_until(lambda: len(runs(tmp_path)) >= 1, 20, "the first task to start")
     wait_until(lambda: broker.queue_size() <= 4, 20, "four held by the first worker")
@@ -38,8 +41,8 @@ def test_what_a_frozen_supervisor_held_but_had_not_started_runs_once(
         time.sleep(0.5)
         started_before = {task_id for _, task_id, _ in runs(tmp_path)}
         start_worker(broker, visibility_timeout=vt, concurrency=2)
-        # Its leases run out (RabbitMQ: its connection is closed, after 30 s of silence
-        # and more), and the other worker runs all it can take.
+        # Its leases run out (RabbitMQ: its connection is closed, after its heartbeat
+        # timeout of silence and more), and the other worker runs all it can take.
         wait_until(lambda: broker.queue_size() == 0 and len(
             {task_id for _, task_id, _ in runs(tmp_path)}) == len(results), 150,
             "the other worker to run what the frozen one held")

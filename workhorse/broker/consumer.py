@@ -64,9 +64,6 @@ log = logging.getLogger("workhorse.consumer")
 
 #: Message properties carried over when a message is re-published (dead-letter, requeue).
 _KEPT_PROPERTIES = ("correlation_id", "reply_to", "priority")
-#: RabbitMQ heartbeat for the consumer's connection (seconds), checked from the loop: a
-#: silent broker is noticed and the connection replaced instead of waited on forever.
-AMQP_HEARTBEAT = 30.0
 
 OnMessage = Callable[[str, Message], None]
 OnLost = Callable[[BaseException], None]
@@ -132,7 +129,9 @@ class BrokerConsumer:
         the broker cannot be reached (after ``retries`` quick retries of each URL of a
         failover list); nothing is kept of a connection that failed half-way, so the next
         attempt starts afresh."""
-        connection = self.app.connection(heartbeat=AMQP_HEARTBEAT)
+        # RabbitMQ: heartbeats (broker_heartbeat), checked from the loop: a silent broker
+        # is noticed and the connection replaced instead of waited on forever.
+        connection = self.app.connection(heartbeat=self.app.settings.broker_heartbeat)
         try:
             connection.ensure_connection(max_retries=connection.retries(retries + 1),
                                          interval_start=0.2,
