@@ -146,6 +146,26 @@ def test_headers_nested_too_deeply_come_as_headers_that_say_so(letter):
         RAW_HEADERS_HEADER: base64.b64encode(table).decode()}}
 
 
+def test_an_unreadable_table_too_big_to_carry_is_named_by_its_size_and_digest():
+    """Its bytes in base64 would not fit in the dead letter's one header frame."""
+    import hashlib
+
+    from workhorse.protocol import RAW_HEADERS_HEADER, UNREADABLE_HEADERS_HEADER
+    from workhorse.transport.amqpframes import RAW_HEADERS_KEPT
+    value = b"V"
+    for _ in range(5000):
+        inner = field(b"x", value[:1], value[1:])
+        value = b"F" + struct.pack(">I", len(inner)) + inner
+    padding = b"p" * RAW_HEADERS_KEPT
+    table = field(b"pad", b"S", struct.pack(">I", len(padding)) + padding) + field(
+        b"x", value[:1], value[1:])
+    headers = decode_basic_properties(headers_only(table), 0)["application_headers"]
+    assert RAW_HEADERS_HEADER not in headers
+    assert headers[UNREADABLE_HEADERS_HEADER] == (
+        f"nested too deeply to read; {len(table)} bytes, too many to keep "
+        f"(SHA-256 {hashlib.sha256(table).hexdigest()})")
+
+
 @pytest.mark.parametrize("cut", range(1, 20))
 def test_bytes_that_end_too_soon_read_or_fail_as_with_py_amqp(cut):
     """py-amqp reads a string cut short as the shorter string, and fails on a length or

@@ -42,8 +42,9 @@ DEAD_AT_HEADER = "x-workhorse-dead-at"
 DEAD_QUEUE_HEADER = "x-workhorse-dead-queue"
 DEAD_WORKER_HEADER = "x-workhorse-dead-worker"
 #: RabbitMQ: a message whose headers (an AMQP field table) nest too deeply for Python to
-#: read comes with these two in their place, why and the table's bytes in base64, and is
-#: dead-lettered as malformed (``transport.amqpframes``): the worker goes on.
+#: read comes with these two in their place, why and the table's bytes in base64 (up to
+#: 48 KiB of them), and is dead-lettered as malformed (``transport.amqpframes``): the
+#: worker goes on.
 UNREADABLE_HEADERS_HEADER = "x-workhorse-unreadable-headers"
 RAW_HEADERS_HEADER = "x-workhorse-raw-headers"
 #: The content types a worker accepts; pickle is refused because it runs code on load.
@@ -422,8 +423,9 @@ def _read_v1(headers: Mapping[str, Any] | None, body: bytes | str,
     naming its ``task`` (Celery's own test)."""
     unreadable = (headers or {}).get(UNREADABLE_HEADERS_HEADER)
     if unreadable is not None:
-        raise MalformedMessage(f"its headers could not be read ({unreadable}); their bytes "
-                               f"are kept in {RAW_HEADERS_HEADER}, base64")
+        kept = (f"; their bytes are kept in {RAW_HEADERS_HEADER}, base64"
+                if RAW_HEADERS_HEADER in (headers or {}) else "")
+        raise MalformedMessage(f"its headers could not be read ({unreadable}){kept}")
     fields = _loads(body, content_type, content_encoding)
     if not isinstance(fields, dict) or "task" not in fields:
         raise MalformedMessage(

@@ -21,6 +21,7 @@ in place of py-amqp's (``Connection(frame_handler=...)``).
 from __future__ import annotations
 
 import base64
+import hashlib
 import struct
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -195,12 +196,23 @@ def _properties(buf: bytes, offset: int) -> dict[str, Any]:
     return properties
 
 
+#: The most of an unreadable table kept, in base64, in its message's headers: the dead
+#: letter that carries them must fit in one frame (RabbitMQ's frame_max, 131,072 bytes by
+#: default) with its other properties; a header over that fails its connection.
+RAW_HEADERS_KEPT = 64 * 1024
+
+
 def _unreadable(table: bytes) -> dict[str, str]:
     """Headers in place of a table nested too deeply to read (py-amqp's reader raises
     RecursionError as well): the message is delivered, to be dead-lettered as malformed
-    with these, rather than failing the connection again each time it is delivered."""
-    return {UNREADABLE_HEADERS_HEADER: "nested too deeply to read",
-            RAW_HEADERS_HEADER: base64.b64encode(table).decode("ascii")}
+    with these, rather than failing the connection again each time it is delivered. The
+    table's bytes go with them, or, past RAW_HEADERS_KEPT, their size and SHA-256."""
+    why = "nested too deeply to read"
+    raw = base64.b64encode(table).decode("ascii")
+    if len(raw) > RAW_HEADERS_KEPT:
+        return {UNREADABLE_HEADERS_HEADER: f"{why}; {len(table)} bytes, too many to keep "
+                                           f"(SHA-256 {hashlib.sha256(table).hexdigest()})"}
+    return {UNREADABLE_HEADERS_HEADER: why, RAW_HEADERS_HEADER: raw}
 
 
 def frame_handler(connection: Any, callback: Callable[..., Any]) -> Callable[..., bool]:
