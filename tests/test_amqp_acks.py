@@ -301,7 +301,7 @@ def test_a_connection_check_reads_past_the_last_heartbeats_to_the_close(broker, 
 
 
 @pytest.mark.parametrize("broker", ["amqp"], indirect=True)
-@pytest.mark.parametrize("asked", [7.0, 0.0])
+@pytest.mark.parametrize("asked", [7, 0])
 def test_the_consuming_connection_has_the_heartbeat_broker_heartbeat_asks(
         broker, client, monkeypatch, asked):
     """RabbitMQ takes the lower of its own (60 s) and the worker's; 0 turns them off."""

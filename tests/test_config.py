@@ -51,7 +51,7 @@ SAMPLES = {
     "rabbitmq_consumer_timeout": ("600", 600.0),
     "broker_connection_retry_on_startup": ("false", False),
     "broker_connection_max_retries": ("5", 5),
-    "broker_heartbeat": ("0", 0.0),
+    "broker_heartbeat": ("0", 0),
     "loglevel": ("debug", "DEBUG"),
     "hostname": ("w1@host", "w1@host"),
     "state_dir": ("/var/lib/wh", Path("/var/lib/wh")),
@@ -215,6 +215,9 @@ def test_state_dir_default_prefers_systemd(monkeypatch, tmp_path):
     ("[results]\nresult_backend = 'mongodb://x'\n", "db+<SQLAlchemy URL>, rpc://"),
     ("[worker]\nqueues = ['a', '']\n", "none of them empty"),
     ("[worker\n", "{f}: not valid TOML"),
+    ("[broker]\nbroker_heartbeat = 0.5\n",
+     "{f} [broker] broker_heartbeat = 0.5: expected an integer from 0 to 65535"),
+    ("[broker]\nbroker_heartbeat = 70000\n", "expected an integer from 0 to 65535"),
     ("[tasks]\ntime_limit = 20\nsoft_time_limit = 30\n",
      "time_limit (20) must be greater than soft_time_limit (30): time_limit from {f} [tasks], "
      "soft_time_limit from {f} [tasks]"),

@@ -248,13 +248,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("broker_connection_max_retries", "broker", t.integer(0).or_none(), None,
             "Give up (exit with status 1) after this many failed attempts in a row to "
             "connect or reconnect to the broker; none: never give up.", reload=False),
-    Setting("broker_heartbeat", "broker", t.seconds(positive=False), 30.0,
-            "RabbitMQ: the heartbeat timeout the worker asks for on the connection it "
-            "consumes on (RabbitMQ takes the lower of this and its own, 60 s by default). "
-            "RabbitMQ closes the connection of a worker silent that long (frozen, cut off) "
-            "and gives its messages to other workers; a worker whose broker is silent twice "
-            "that long reconnects. 0: no heartbeats; a silent worker's messages then stay "
-            "with it until TCP gives up.",
+    Setting("broker_heartbeat", "broker", t.integer(0, 65535), 30,
+            "RabbitMQ: the heartbeat timeout, in whole seconds (AMQP carries no fraction), "
+            "the worker asks for on the connection it consumes on; where RabbitMQ has one "
+            "of its own (60 s by default) the lower of the two is used. RabbitMQ closes the "
+            "connection of a worker silent about that long (frozen, cut off) and gives its "
+            "messages to other workers; a worker whose broker is silent twice that long "
+            "reconnects. 0: no heartbeats; a silent worker's messages then stay with it "
+            "until TCP gives up.",
             reload=False),
     Setting("broker_transport_options", "broker", t.table(), {},
             "Options for the broker's kombu transport, as Celery's setting of that name: "
