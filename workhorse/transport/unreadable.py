@@ -74,15 +74,16 @@ def _loads(raw: bytes | str) -> Any:
     too deep for any: RecursionError, as from the others.)"""
     # (A backslash first: a search for one byte is memchr, a fifth of the time the
     # search for two takes, and most messages have none.)
+    if not isinstance(raw, str | bytes):
+        raw = bytes(raw)            # (a bytearray, a memoryview)
     if type(raw) is bytes:
         marked = b"__type__" in raw or (b"\\" in raw and b"\\u" in raw)
     else:
-        raw = raw.decode("utf-8") if isinstance(raw, bytearray) else raw
         marked = "__type__" in raw or ("\\" in raw and "\\u" in raw)
     if not marked:
         try:
             return _decode(raw)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, UnicodeEncodeError):   # (a str with a lone surrogate)
             pass
     text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
     return loads(text) if marked else json.loads(text)
