@@ -189,6 +189,7 @@ def test_sqlite_bury_changes_nothing_once_the_lease_is_lost(tmp_path: Path):
     memoryview(b'{"properties": {}, "headers": {"k": {"__type__": "datetime", '
                b'"__value__": "2020-01-01T00:00:00"}}}'),
     '{"properties": {}, "headers": {"k": "lone \ud800 surrogate"}}',
+    type("Payload", (bytes,), {})(b'{"properties": {}, "headers": {"k": 1}}'),
 ])
 def test_entries_decode_as_kombu_decodes_them(raw):
     """The fast path (msgspec's decoder, or the standard one where it refuses) gives what
