@@ -36,6 +36,16 @@ def field(key: bytes, letter: bytes, value: bytes) -> bytes:
     return bytes([len(key)]) + key + letter + value
 
 
+def nested(letter: bytes, depth: int) -> bytes:
+    """A table whose one field ``x`` holds a table (``F``) or an array (``A``) holding
+    another, ``depth`` deep, a void at the bottom."""
+    value = b"V"
+    for _ in range(depth):
+        inner = field(b"x", value[:1], value[1:]) if letter == b"F" else value
+        value = letter + struct.pack(">I", len(inner)) + inner
+    return field(b"x", value[:1], value[1:])
+
+
 def random_value(rng: random.Random, depth: int = 0) -> Any:
     kinds = ["str", "int", "big", "bool", "none", "float", "bytes", "time", "decimal"]
     if depth < 3:
@@ -133,11 +143,7 @@ def test_headers_nested_too_deeply_come_as_headers_that_say_so(letter):
     import base64
 
     from workhorse.protocol import RAW_HEADERS_HEADER, UNREADABLE_HEADERS_HEADER
-    value = b"V"                            # a table (or an array) in one, 5,000 deep
-    for _ in range(5000):
-        inner = field(b"x", value[:1], value[1:]) if letter == b"F" else value
-        value = letter + struct.pack(">I", len(inner)) + inner
-    table = field(b"x", value[:1], value[1:])
+    table = nested(letter, 5000)
     with pytest.raises(RecursionError):
         decode_properties_basic(headers_only(table), 0)
     properties = decode_basic_properties(headers_only(table) + b"tail", 0)
@@ -152,13 +158,8 @@ def test_an_unreadable_table_too_big_to_carry_is_named_by_its_size_and_digest():
 
     from workhorse.protocol import RAW_HEADERS_HEADER, UNREADABLE_HEADERS_HEADER
     from workhorse.transport.amqpframes import RAW_HEADERS_KEPT
-    value = b"V"
-    for _ in range(5000):
-        inner = field(b"x", value[:1], value[1:])
-        value = b"F" + struct.pack(">I", len(inner)) + inner
     padding = b"p" * RAW_HEADERS_KEPT
-    table = field(b"pad", b"S", struct.pack(">I", len(padding)) + padding) + field(
-        b"x", value[:1], value[1:])
+    table = field(b"pad", b"S", struct.pack(">I", len(padding)) + padding) + nested(b"F", 5000)
     headers = decode_basic_properties(headers_only(table), 0)["application_headers"]
     assert RAW_HEADERS_HEADER not in headers
     assert headers[UNREADABLE_HEADERS_HEADER] == (
