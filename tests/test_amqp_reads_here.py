@@ -43,12 +43,15 @@ class ReadingLink(AmqpLinkHarness):
             return read_now()
         consumer.on_readable = thread_read      # type: ignore[method-assign]
         consumer.read_now = loop_read           # type: ignore[method-assign]
-        self.lends = 0              # the reading lent to the loop
+        self.lends = 0              # the reading lent to the loop (not its taking back, fd -1)
         lend = self.link.thread.lend_reads
         assert lend is not None
 
         def lent(fd: int, generation: int) -> None:
-            self.lends += 1
+            # Once cancelled, the broker thread's post taking the reading back (fd -1) can
+            # come after the loop gave it back itself (it found the thread busy running
+            # the cancel): a lend it is not.
+            self.lends += fd >= 0
             lend(fd, generation)
         self.link.thread.lend_reads = lent
 
