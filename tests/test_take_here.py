@@ -167,6 +167,39 @@ def test_on_sqlite_the_loop_acks_and_takes_itself_without_the_broker_thread(
     assert it.rows() == 0 and it.link.thread.fetches_done == 0
 
 
+def test_an_ack_at_start_goes_alone_unless_the_room_asks_for_a_take(unstarted_sqlite_link):
+    """Acks at start (acks_late = false) come one a task, each freeing no room of its own
+    beyond its task's, with the place the task before freed: the ack goes alone, and the
+    room is taken once it is worth a take (``batch``), or at once when a child starves."""
+    it = unstarted_sqlite_link
+    it.publish(20)
+    it.start()
+    it.link.set_room(8)
+    it.loop.wait(0)
+    assert len(it.received) == 8 and it.rows() == 20
+    assert it.link.batch == 6
+    acked: list[BaseException | None] = []
+    it.link.received = 8
+    for n, free in enumerate(range(1, it.link.batch)):      # 1 to 5 places: acks alone
+        it.link.ack_then(it.received[n], acked.append)
+        it.link.set_room(free, starved=False)
+        it.loop.wait(0)
+        assert it.rows() == 19 - n and len(it.received) == 8, free
+    it.turn_until(lambda: len(acked) == 5, "the acks' callbacks")
+    assert acked == [None] * 5
+    it.link.ack_then(it.received[5], acked.append)         # 6 places: taken with the ack
+    it.link.set_room(6, starved=False)
+    it.loop.wait(0)
+    assert it.rows() == 14 and len(it.received) == 14
+    it.link.received = 14
+    it.link.ack_then(it.received[6], acked.append)         # a child starves: taken at once
+    it.link.set_room(1, starved=True)
+    it.loop.wait(0)
+    assert it.rows() == 13 and len(it.received) == 15
+    it.turn_until(lambda: len(acked) == 7, "the acks' callbacks")
+    assert acked == [None] * 7 and it.link.thread.fetches_done == 0
+
+
 def test_the_loop_never_waits_for_a_write_lock_another_process_holds(sqlite_link):
     """The fault: a publisher (another process) holds the file's write lock for a while.
     The loop's take does not wait for it: the fetch goes to the broker thread, which does,

@@ -605,8 +605,9 @@ class BrokerConsumer:
             message._state = "ACK"
         return said is True
 
-    def take_now(self, messages: list[Message]) -> list[Exception | None] | None:
-        """``ack_many(messages, fetch=True)`` if it can be done at once, never waiting (the
+    def take_now(self, messages: list[Message],
+                 take: bool = True) -> list[Exception | None] | None:
+        """``ack_many(messages, fetch=take)`` if it can be done at once, never waiting (the
         loop thread calls it while the broker thread is parked): on SQLite, where a take is
         a transaction on a local file, not a round trip. None if it cannot (another
         broker; acks of an older connection's channel; the file busy or in trouble):
@@ -617,7 +618,7 @@ class BrokerConsumer:
         errors: list[Exception | None] = [None] * len(messages)
         ready = _not_acked(messages, range(len(messages)), errors)
         try:
-            driver.take_now([message.delivery_tag for message in ready])
+            driver.take_now([message.delivery_tag for message in ready], take)
         except StoreBusy:
             return None
         for message in ready:

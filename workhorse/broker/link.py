@@ -240,7 +240,9 @@ class BrokerLink:
         if not (fetch or acks):
             return
         self._want_fetch = self._want_acks = False
-        if self._take_here():
+        # An ack at start that the room did not ask a take for goes alone (SQLite): taking
+        # the one place each start's task had freed made every start a take of one.
+        if self._take_here(take=fetch or not self._urgent):
             return
         if fetch and self._fetches == self.thread.fetches_done:
             self._fetch()
@@ -320,14 +322,16 @@ class BrokerLink:
             self._ack_timer.cancel()
             self._ack_timer = None
 
-    def _take_here(self) -> bool:
-        """SQLite: the acks held back and a take of what there is room for, in one
-        transaction carried out here, on the loop thread, as the broker thread would
-        (``BrokerConsumer.take_now``): no thread to wake, and no interpreter lock handed
-        between two threads for every batch. Only while the broker thread is parked with
-        nothing submitted to it (nothing is overtaken), and only if it never waits: the
-        file's lock held by another process, or any trouble with the file, and it is not
-        done (False), and the caller hands it to the broker thread as before."""
+    def _take_here(self, take: bool = True) -> bool:
+        """SQLite: the acks held back and a take of what there is room for (none unless
+        ``take``), in one transaction carried out here, on the loop thread, as the broker
+        thread would (``BrokerConsumer.take_now``): no thread to wake, and no interpreter
+        lock handed between two threads for every batch. Only while the broker thread is
+        parked with nothing submitted to it (nothing is overtaken), and only if it never
+        waits: the file's lock held by another process, or any trouble with the file, and
+        it is not done (False), and the caller hands it to the broker thread as before.
+        (Redis sends the take with its acks whatever ``take`` says: a take of its own would
+        be a round trip of its own, and an ack at start sent behind it would wait for it.)"""
         if not self.takes_here:
             return False
         if self.splits:
@@ -337,7 +341,7 @@ class BrokerLink:
             if consumer is None:
                 return False
             try:
-                errors = consumer.take_now([ack.message for ack in acks])
+                errors = consumer.take_now([ack.message for ack in acks], take)
             except Exception as exc:  # a bug: said, and each ack fails with it
                 log.error("acking %d messages and taking on the loop thread failed: %r",
                           len(acks), exc, exc_info=exc)

@@ -103,8 +103,9 @@ class Driver:
         """``takes_with_acks``: a turn's acks and a take in one round trip."""
         raise NotImplementedError
 
-    def take_now(self, tags: Sequence[str]) -> None:
-        """``takes_inline``: ``ack_and_take`` on the loop thread, never waiting."""
+    def take_now(self, tags: Sequence[str], take: bool = True) -> None:
+        """``takes_inline``: ``ack_and_take`` on the loop thread, never waiting (the acks
+        alone unless ``take``)."""
         raise NotImplementedError
 
     def take_send(self, tags: Sequence[str], pipe: Any = None) -> Any:

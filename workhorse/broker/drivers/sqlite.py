@@ -52,11 +52,11 @@ class SqliteDriver(TakingDriver):
         if store.prefix is not None:
             journal.owned(store.prefix)
 
-    def take_now(self, tags: Sequence[str]) -> None:
-        """``ack_and_take`` without waiting for the file: raises StoreBusy, having changed
-        nothing, where it would wait. One take: whatever more there is room for, the loop
-        asks for again."""
-        self._take(self.room(), tags, wait=False)
+    def take_now(self, tags: Sequence[str], take: bool = True) -> None:
+        """``ack_and_take`` without waiting for the file (the acks alone unless ``take``):
+        raises StoreBusy, having changed nothing, where it would wait. One take: whatever
+        more there is room for, the loop asks for again."""
+        self._take(self.room() if take else 0, tags, wait=False)
 
     def has_unburied(self) -> bool:
         return bool(self.channel._unburied)
