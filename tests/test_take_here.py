@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import workhorse  # noqa: F401 - registers the sqlite:// transport
+from workhorse.broker import thread as broker_thread
 from workhorse.broker.drivers import sqlite as sqlite_driver
 from workhorse.protocol import dead_letter_queue
 from workhorse.transport.store import Store, StoreBusy
@@ -167,11 +168,16 @@ def test_on_sqlite_the_loop_acks_and_takes_itself_without_the_broker_thread(
     assert it.rows() == 0 and it.link.thread.fetches_done == 0
 
 
-def test_an_ack_at_start_goes_alone_unless_the_room_asks_for_a_take(unstarted_sqlite_link):
+def test_an_ack_at_start_goes_alone_unless_the_room_asks_for_a_take(
+        unstarted_sqlite_link, monkeypatch):
     """Acks at start (acks_late = false) come one a task, each freeing no room of its own
     beyond its task's, with the place the task before freed: the ack goes alone, and the
     room is taken once it is worth a take (``batch``), or at once when a child starves."""
     it = unstarted_sqlite_link
+    # The room stays free for a while here: the broker thread's idle turns and safety
+    # polls, which would take it themselves on a slow run, are put off.
+    monkeypatch.setattr(broker_thread, "IDLE_TURN", 3600.0)
+    monkeypatch.setattr(sqlite_driver, "SAFETY_POLL", 3600.0)
     it.publish(20)
     it.start()
     it.link.set_room(8)
@@ -198,6 +204,12 @@ def test_an_ack_at_start_goes_alone_unless_the_room_asks_for_a_take(unstarted_sq
     assert it.rows() == 13 and len(it.received) == 15
     it.turn_until(lambda: len(acked) == 7, "the acks' callbacks")
     assert acked == [None] * 7 and it.link.thread.fetches_done == 0
+    it.link.received = 15
+    for message in it.received[7:13]:       # late acks, a batch of them: they carry a take
+        it.link.ack(message)
+    it.link.set_room(2, starved=False)
+    it.loop.wait(0)
+    assert it.rows() == 7 and len(it.received) == 17
 
 
 def test_the_loop_never_waits_for_a_write_lock_another_process_holds(sqlite_link):
