@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
 import uuid
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
 import redis
 from kombu import Connection, Consumer, Producer
 
-from workhorse.protocol import DEAD_QUEUE_HEADER, DEAD_REASON_HEADER
+from workhorse.protocol import (DEAD_QUEUE_HEADER, DEAD_REASON_HEADER, HELD_LOSSES_HEADER,
+                                Verdict)
 from workhorse.broker.queues import ensure_queue
 from workhorse.transport import REDIS as REDIS_TRANSPORT
 from workhorse.transport import unreadable
@@ -20,6 +24,9 @@ from workhorse.transport.store import Store
 
 from .conftest import REDIS_URL, require_service, wait_until
 
+#: Python's recursion limit as the tests found it: the decoders' room to spare is given
+#: back once they are done.
+limit_before_test = sys.getrecursionlimit()
 TAGGED = {"body": "", "properties": {"delivery_tag": "t1", "body_encoding": "base64"}}
 #: kombu's JSON nested deeper than any decoder here reads (each raises RecursionError).
 TOO_DEEP = ('{"body": "", "properties": {"delivery_tag": "t2", "body_encoding": "base64"}, '
@@ -252,3 +259,75 @@ def test_random_json_decodes_as_kombu_decodes_it_or_fails_as_it_does():
         assert repr(_loads(raw)) == expected, raw
     assert 100 < failed < 2000        # (both kinds were tried)
 
+
+
+# ------------------------------------------------------- decoded again from a deeper stack
+def _deep(depth: int, queue: str = "q") -> str:
+    return json.dumps({"body": "", "content-type": "application/json",
+                       "content-encoding": "utf-8", "headers": {"x": 0},
+                       "properties": {"delivery_tag": uuid.uuid4().hex,
+                                      "body_encoding": "base64",
+                                      "delivery_info": {"exchange": "",
+                                                        "routing_key": queue}}}
+                      ).replace('{"x": 0}', '{"x": ' + "[" * depth + "]" * depth + "}")
+
+
+def _below(frames: int, call: Callable[[], object]) -> object:
+    """``call()`` from ``frames`` more frames down the stack."""
+    return call() if frames <= 0 else _below(frames - 1, call)
+
+
+def _deepest_read(frames: int) -> int:
+    """The deepest entry ``unreadable.read`` reads from ``frames`` below here."""
+    low, high = 1, 5000
+    while low < high:
+        mid = (low + high + 1) // 2
+        message, _ = _below(frames, partial(unreadable.read, _deep(mid), tagged=True))
+        low, high = (mid, high) if message is not None else (low, mid - 1)
+    return low
+
+
+def test_redis_puts_back_an_entry_the_take_just_read_from_a_deeper_stack(redis_queue):
+    """An entry nested about as deep as the take reads, put back (and by kombu's sweep)
+    from further down the stack, is decoded and encoded again there with room to spare:
+    before, that raised RecursionError, and a sweep stopped at it."""
+    server = redis.Redis.from_url(REDIS_URL)
+    depth = _deepest_read(60)
+    server.lpush(redis_queue, _deep(depth, redis_queue))
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        channel, got = _taking(conn, redis_queue)
+        assert channel.take() and len(got) == 1, depth      # the take reads it
+        tag = got[0].delivery_tag
+        try:
+            _below(150, lambda: channel.qos.restore_by_tag(tag))
+            assert server.llen(redis_queue) == 1
+            assert not server.hexists("unacked", tag)
+            assert sys.getrecursionlimit() == limit_before_test
+        finally:    # (left held, kombu's sweep in the next tests would find it)
+            server.delete(redis_queue)
+            server.hdel("unacked", tag)
+            server.zrem("unacked_index", tag)
+            server.hdel("delivery_counts", tag)
+            server.hdel("lease_owners", tag)
+
+
+
+def test_sqlite_recovers_an_entry_the_take_just_read_from_a_deeper_stack(tmp_path: Path):
+    """A worker that is gone held it: its recovery decodes it again (to count the held
+    loss) and encodes it, from further down the stack, with room to spare: before, the
+    decoder's RecursionError left it uncounted."""
+    url = f"sqlite:///{tmp_path / 'broker.sqlite3'}"
+    store = Store(tmp_path / "broker.sqlite3")
+    store.put("q", _deep(_deepest_read(60)))
+    with Connection(url) as conn:
+        queue = conn.SimpleQueue("q")
+        message = queue.get(timeout=5)          # the take reads it
+        channel = message.channel
+        prefix = channel.store.prefix
+        recovered = _below(150, lambda: channel.recover(
+            [prefix], lambda tag: Verdict(started=False, held_loss=True)))
+        assert recovered == 1
+        assert sys.getrecursionlimit() == limit_before_test
+    [(_, payload, _, leased)] = store.browse("q")
+    assert not leased
+    assert unreadable.read(payload, tagged=False)[0]["headers"][HELD_LOSSES_HEADER] == 1

@@ -323,7 +323,12 @@ class QoS(redis.QoS):
         """Put a message back, but only while the lease is ours; ``uncount``: a clean
         hand-back, which takes back the delivery our take counted, in the same transaction.
         (kombu's sweep calls this for every abandoned message; those not delivered here are
-        restored as kombu does, and stay counted.)"""
+        restored as kombu does, and stay counted.) Its entry is decoded and encoded again
+        with room to spare (``unreadable.headroom``)."""
+        with unreadable.headroom():
+            self._restore_by_tag(tag, client, leftmost, uncount)
+
+    def _restore_by_tag(self, tag: str, client: Any, leftmost: bool, uncount: bool) -> None:
         if tag not in self._scores:
             if not self._foreign_and_fresh(tag, client):
                 super().restore_by_tag(tag, client, leftmost)
@@ -501,7 +506,8 @@ class Channel(Delivering, redis.Channel):
             tags = [_text(tag) for tag, owner in client.hscan_iter(self.lease_owners_key,
                                                                    count=1000)
                     if _text(owner) in names]
-            return sum(self._recover_one(client, tag, names, judge(tag)) for tag in tags)
+            with unreadable.headroom():
+                return sum(self._recover_one(client, tag, names, judge(tag)) for tag in tags)
 
     def _recover_one(self, client: Any, tag: str, owners: set[str], verdict: Verdict) -> bool:
         """One transaction: only while the lease is still the dead owner's."""
@@ -546,7 +552,7 @@ class Channel(Delivering, redis.Channel):
             try:
                 message = loads(payload)
                 sent = sent_at(message.get("properties"), message.get("headers"))
-            except (ValueError, TypeError, AttributeError):
+            except (ValueError, TypeError, AttributeError, RecursionError):
                 sent = None
             if sent is None:
                 known = False

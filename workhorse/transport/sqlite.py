@@ -269,7 +269,8 @@ class Channel(Delivering):
                 message["headers"] = after_loss(message.get("headers"), verdict)
                 payload = dumps(message)
             return payload, not verdict.started
-        recovered = self.store.recover(owners, rewrite)
+        with unreadable.headroom():
+            recovered = self.store.recover(owners, rewrite)
         if recovered:
             self.connection.wake.notify()
         return recovered

@@ -13,7 +13,11 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import sys
+import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,6 +30,37 @@ from ..protocol import DEAD_AT_HEADER, DEAD_QUEUE_HEADER, DEAD_REASON_HEADER, de
 UNREADABLE = "unreadable"
 #: The envelope's body is the entry as it was: bytes of no known type.
 RAW_CONTENT_TYPE = "application/octet-stream"
+#: Levels of Python's recursion limit added while a taken entry is decoded again (see
+#: ``headroom``).
+HEADROOM = 200
+
+_headroom_lock = threading.Lock()
+_headroom_users = 0
+_limit_before = 0
+
+
+@contextmanager
+def headroom() -> Iterator[None]:
+    """Python's recursion limit raised by HEADROOM while an entry taken before is decoded
+    (or encoded) again: put back, or recovered from a worker that is gone. How deep a
+    document the decoders read depends on how deep the stack already is; one the take read
+    with a few levels to spare, read again from a deeper stack, raised RecursionError, and
+    the put-back failed, or kombu's sweep stopped at it, leaving every entry behind it
+    unrestored. (Several threads may be inside at once: the first raises it, the last
+    sets it back.)"""
+    global _headroom_users, _limit_before
+    with _headroom_lock:
+        if _headroom_users == 0:
+            _limit_before = sys.getrecursionlimit()
+            sys.setrecursionlimit(_limit_before + HEADROOM)
+        _headroom_users += 1
+    try:
+        yield
+    finally:
+        with _headroom_lock:
+            _headroom_users -= 1
+            if _headroom_users == 0:
+                sys.setrecursionlimit(_limit_before)
 
 
 def read(raw: bytes | str, *, tagged: bool) -> tuple[dict[str, Any] | None, str | None]:
