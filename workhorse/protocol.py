@@ -292,6 +292,8 @@ class Verdict:
 
 def after_loss(headers: Mapping[str, Any] | None, verdict: Verdict) -> dict[str, Any]:
     """A message's headers once its worker died holding it, as ``verdict`` says."""
+    if not isinstance(headers, Mapping):    # (another program's producer: null, a list)
+        headers = None
     out = dict(headers or {})
     if verdict.held_loss:
         out[HELD_LOSSES_HEADER] = carried_held_losses(headers) + 1

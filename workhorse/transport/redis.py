@@ -23,6 +23,10 @@ messages for long (Celery's well-known duplicates):
    ``unacked``. To wait without polling, one idle connection per list blocks in
    ``BLMOVE key key RIGHT RIGHT`` (a move onto itself, which changes nothing) until the
    list is non-empty (``ListWaiter``); Redis older than 6.2 has no BLMOVE, and is polled.
+   The unacked entry names the queue the message was taken from (as the anonymous
+   exchange's routing key), so a message put back goes there, once, whatever its
+   delivery_info says; kombu's restore would route it again (into every queue a topic
+   exchange's key matches), and drops or stops at one with no routing key.
 
 4. kombu counts nothing: a message put back by the sweep after its worker died looks like
    any other. Here the take also counts the delivery, in the same script (``HINCRBY`` in
@@ -107,7 +111,10 @@ return 0
 # KEYS: unacked_index, unacked, delivery_counts, lease_owners, then the lists in order.
 # ARGV: the score, the limit, the owner, the number of ack pairs, the pairs. Returns the
 # number of lost acks and their tags, then {position of the list, message, delivery count,
-# delivery tag} for each message taken, flattened. An entry that is not kombu's JSON with a
+# delivery tag} for each message taken, flattened. The unacked entry names the message's
+# way home as the anonymous exchange and the queue it was taken from (its list's key, the
+# priority suffix cut off): whatever its delivery_info says (or lacks: another program's
+# producer), it is put back where it was, once. An entry that is not kombu's JSON with a
 # delivery tag cannot be acked or put back: it is left in place, and returned last, with
 # its list's position negated.
 _ACK_TAKE = Script("""
@@ -129,6 +136,7 @@ local limit = tonumber(ARGV[2])
 local owner = ARGV[3]
 local taken = 0
 local i = 5
+local home_of, home = 0, ''
 while i <= #KEYS and taken < limit do
     local payload = redis.call('LINDEX', KEYS[i], -1)
     if not payload then
@@ -145,14 +153,12 @@ while i <= #KEYS and taken < limit do
             return out
         end
         redis.call('RPOP', KEYS[i])
-        local info = props['delivery_info']
-        if type(info) ~= 'table' then info = {} end
-        local exchange, routing_key = info['exchange'], info['routing_key']
-        if type(exchange) ~= 'string' then exchange = '' end
-        if type(routing_key) ~= 'string' then routing_key = '' end
+        if home_of ~= i then
+            home_of = i
+            home = ',"",' .. cjson.encode(string.match(KEYS[i], '^(.*)\\6\\22') or KEYS[i]) .. ']'
+        end
         redis.call('ZADD', KEYS[1], ARGV[1], tag)
-        redis.call('HSET', KEYS[2], tag, '[' .. payload .. ',' .. cjson.encode(exchange)
-                   .. ',' .. cjson.encode(routing_key) .. ']')
+        redis.call('HSET', KEYS[2], tag, '[' .. payload .. home)
         local count = redis.call('HINCRBY', KEYS[3], tag, 1)
         if owner ~= '' then
             redis.call('HSET', KEYS[4], tag, owner)
@@ -243,9 +249,9 @@ class QoS(redis.QoS):
             self._counted.add(delivery_tag)
             virtual.QoS.append(self, message, delivery_tag)
             return
-        delivery = message.delivery_info
         score = time()
-        entry = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+        # The way home, as a take writes it: the queue it came from (basic_get's).
+        entry = dumps([message._raw, "", self.channel._getting_from])
         self._scores[delivery_tag] = score
         try:
             self._record(delivery_tag, entry, score)
@@ -481,6 +487,42 @@ class Channel(Delivering, redis.Channel):
     # kombu types its tuple by its exact length; one more name is still a tuple of names.
     from_transport_options = (  # type: ignore[assignment]
         *redis.Channel.from_transport_options, "foreign_visibility_timeout")
+
+    #: The queue ``basic_get`` is reading, for the lease ``QoS.append`` records.
+    _getting_from = ""
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        self._getting_from = queue
+        try:
+            return super().basic_get(queue, no_ack, **kwargs)
+        finally:
+            self._getting_from = ""
+
+    def _do_restore_message(self, payload: dict[str, Any], exchange: str, routing_key: str,
+                            pipe: Any, leftmost: bool = False) -> None:
+        """Put an unacked entry's message back on its way home (the queue it was taken
+        from, as the take records it; kombu's exchange and routing key in entries others
+        wrote). kombu's own logs and drops a message whose headers or delivery_info are
+        null, and stops every later sweep at one with no way home: here the first are
+        marked where they can be, and the second (an entry written before takes recorded
+        the queue, of a message whose producer gave no routing key) goes to
+        ``unrouted.dead``, logged, so nothing is lost and the sweep goes on."""
+        properties = payload.get("properties")
+        for part in (payload.get("headers"),
+                     properties.get("delivery_info") if isinstance(properties, dict) else None):
+            if isinstance(part, dict):
+                part["redelivered"] = True
+        queues = [queue for queue in self._lookup(exchange, routing_key) if queue] if (
+            exchange or routing_key) else []
+        if not queues:
+            queues = [dead_letter_queue(UNROUTED)]
+            log.error("message %s: put back, but it has no way home (no exchange or routing "
+                      "key, and no queue recorded): moved to %s", _tag_of(payload), queues[0])
+        priority = self._get_message_priority(payload, reverse=False)
+        text = dumps(payload)
+        push = pipe.lpush if leftmost else pipe.rpush
+        for queue in queues:
+            push(self._q_for_pri(queue, priority), text)
 
     def renew(self, tags: Iterable[str]) -> list[str]:
         return self.qos.renew(tags)
@@ -793,6 +835,15 @@ class Channel(Delivering, redis.Channel):
         if buried:     # (else the lease was lost already: whoever holds it now decides)
             log.error("an unreadable message on %s (%s) was dead-lettered to %s in an "
                       "envelope: %.200r", queue, why, dead, payload)
+
+
+#: Where a message put back with no way home goes, with the dead letters' suffix.
+UNROUTED = "unrouted"
+
+
+def _tag_of(payload: dict[str, Any]) -> Any:
+    properties = payload.get("properties")
+    return properties.get("delivery_tag") if isinstance(properties, dict) else None
 
 
 class _TakeCall(NamedTuple):

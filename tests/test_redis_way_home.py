@@ -1,0 +1,189 @@
+"""A message taken from a Redis queue goes back to that queue, once, whatever its
+delivery_info says (docs/delivery.md, "Redis: no message is ever only in transit"): the
+take records the queue in the unacked entry. Before, a message whose producer (another
+program) gave no routing key stopped kombu's sweep at it for good, one with null headers
+or delivery_info was dropped by it, and one a topic exchange routed was put back into
+every queue its routing key matched."""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from kombu import Connection, Exchange, Producer, Queue
+
+from workhorse.broker.queues import ensure_queue
+from workhorse.protocol import HELD_LOSSES_HEADER, Verdict, after_loss
+from workhorse.transport import REDIS as REDIS_TRANSPORT
+from workhorse.transport.redis import UNROUTED
+
+from .conftest import REDIS_URL, require_service, wait_until
+from .test_unreadable import _taking
+
+pytestmark = pytest.mark.timeout(60)
+
+UNROUTED_DEAD = UNROUTED + ".dead"
+
+
+@pytest.fixture
+def server() -> Iterator[redis.Redis]:
+    """Redis, and every key these tests leave: the lease bookkeeping of the tags they
+    made (a lease left behind would be swept into the next tests' queues)."""
+    require_service("Redis", 6379)
+    client = redis.Redis.from_url(REDIS_URL)
+    made: list[str] = []
+    client.made = made      # type: ignore[attr-defined]
+    yield client
+    for tag in made:
+        for key in ("unacked", "delivery_counts", "lease_owners"):
+            client.hdel(key, tag)
+        client.zrem("unacked_index", tag)
+    client.delete(UNROUTED_DEAD, *[name for name in made if name.startswith("t-")])
+
+
+def _queue(server: redis.Redis) -> str:
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    server.made.append(name)      # type: ignore[attr-defined]
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        ensure_queue(conn, name)
+    return name
+
+
+def _foreign(server: redis.Redis, queue: str, variant: str) -> str:
+    """A task message as another program's producer might push it: kombu's layout, with
+    its delivery_info or headers missing or null. Returns its delivery tag."""
+    tag = str(uuid.uuid4())
+    server.made.append(tag)      # type: ignore[attr-defined]
+    properties: dict = {"delivery_tag": tag, "body_encoding": "base64", "priority": 0,
+                        "delivery_mode": 2}
+    headers: dict | None = {"task": "tests.apps.basic.record", "id": tag}
+    if variant == "empty delivery_info":
+        properties["delivery_info"] = {}
+    elif variant == "null delivery_info":
+        properties["delivery_info"] = None
+    elif variant == "null headers":
+        headers = None
+    server.lpush(queue, json.dumps({
+        "body": base64.b64encode(b'[[], {}, {}]').decode(), "content-encoding": "utf-8",
+        "content-type": "application/json", "headers": headers, "properties": properties}))
+    return tag
+
+
+def _expire(server: redis.Redis, *tags: str) -> None:
+    """As if the worker holding them died: their leases are long past."""
+    server.zadd("unacked_index", {tag: time.time() - 600 for tag in tags})
+
+
+def _sweep() -> None:
+    """kombu's sweep of expired leases, as every consumer runs it."""
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT,
+                    transport_options={"visibility_timeout": 1}) as conn:
+        conn.channel().qos.restore_visible(num=None, interval=1)
+
+
+def _tags(server: redis.Redis, queue: str) -> list[str]:
+    return [json.loads(entry)["properties"]["delivery_tag"]
+            for entry in server.lrange(queue, 0, -1)]
+
+
+@pytest.mark.parametrize("variant", [
+    "no delivery_info", "empty delivery_info", "null delivery_info", "null headers"])
+def test_a_message_with_no_routing_key_is_swept_back_to_its_queue_with_the_rest(
+        server, variant):
+    queue = _queue(server)
+    odd = _foreign(server, queue, variant)
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        Producer(conn).publish({"n": 1}, exchange="", routing_key=queue, serializer="json")
+        channel, got = _taking(conn, queue)
+        wait_until(lambda: channel.take(limit=2) and len(got) == 2, 5, "both to be taken")
+        neighbour = got[1].delivery_tag
+        server.made.append(neighbour)      # type: ignore[attr-defined]
+        assert [m.delivery_tag for m in got] == [odd, neighbour]
+        _expire(server, odd, neighbour)
+        _sweep()        # (from another connection: this one still thinks it holds them)
+        assert sorted(_tags(server, queue)) == sorted([odd, neighbour])
+        assert not server.hexists("unacked", odd) and not server.hexists("unacked", neighbour)
+        assert server.llen(UNROUTED_DEAD) == 0
+        # a put-back counts the delivery it had (kombu's sweep keeps it)
+        assert int(server.hget("delivery_counts", odd)) == 1
+        back = json.loads(next(e for e in server.lrange(queue, 0, -1) if odd.encode() in e))
+        if isinstance(back["headers"], dict):
+            assert back["headers"]["redelivered"] is True
+
+
+@pytest.mark.parametrize("how", ["requeue", "sweep"])
+def test_a_message_a_topic_exchange_routed_goes_back_only_to_its_own_queue(server, how):
+    """kombu puts a message back by its exchange and routing key: a topic exchange routes
+    that to every queue the key matches, each of which had its copy already."""
+    first, second = _queue(server), _queue(server)
+    exchange = Exchange(f"x-{uuid.uuid4().hex[:8]}", type="topic")
+    server.made.append(f"_kombu.binding.{exchange.name}")      # type: ignore[attr-defined]
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        for name in (first, second):
+            Queue(name, exchange, routing_key="jobs.#")(conn.default_channel).declare()
+        Producer(conn).publish({"n": 1}, exchange=exchange, routing_key="jobs.one",
+                               serializer="json")
+        assert server.llen(first) == server.llen(second) == 1
+        channel, got = _taking(conn, first)
+        wait_until(lambda: channel.take() and got, 5, "the first queue's copy to be taken")
+        tag = got[0].delivery_tag
+        server.made.append(tag)      # type: ignore[attr-defined]
+        if how == "requeue":
+            got[0].requeue()
+        else:
+            _expire(server, tag)
+            _sweep()
+        assert (server.llen(first), server.llen(second)) == (1, 1)
+        assert not server.hexists("unacked", tag)
+
+
+def test_an_entry_with_no_way_home_goes_to_unrouted_dead_and_the_sweep_goes_on(
+        server, caplog):
+    """An entry written before takes recorded the queue, of a message with no routing key
+    (or a Celery worker's, of a queue whose binding is gone): kombu raised on it at every
+    sweep, and the entries behind it never came back."""
+    queue = _queue(server)
+    lost, neighbour = str(uuid.uuid4()), str(uuid.uuid4())
+    server.made += [lost, neighbour]      # type: ignore[attr-defined]
+    message = {"body": "e30=", "content-encoding": "utf-8",
+               "content-type": "application/json", "headers": {},
+               "properties": {"delivery_tag": lost, "body_encoding": "base64"}}
+    other = {**message, "properties": {"delivery_tag": neighbour, "body_encoding": "base64"}}
+    server.hset("unacked", mapping={lost: json.dumps([message, "", ""]),
+                                    neighbour: json.dumps([other, "", queue])})
+    server.hset("delivery_counts", mapping={lost: 1, neighbour: 1})     # as a take counts
+    _expire(server, lost, neighbour)
+    with caplog.at_level(logging.ERROR, logger="workhorse.transport.redis"):
+        _sweep()
+    assert _tags(server, queue) == [neighbour]
+    assert _tags(server, UNROUTED_DEAD) == [lost]
+    assert not server.hexists("unacked", lost) and not server.hexists("unacked", neighbour)
+    assert f"message {lost}: put back, but it has no way home" in caplog.text
+
+
+def test_a_dead_workers_message_with_null_headers_is_recovered_home_counted(server):
+    queue = _queue(server)
+    tag = _foreign(server, queue, "null headers")
+    owner = f"owner-{uuid.uuid4().hex[:8]}"
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        channel, got = _taking(conn, queue)
+        channel.lease_owner = owner
+        wait_until(lambda: channel.take() and got, 5, "the message to be taken")
+        with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as other:
+            recovered = other.channel().recover(
+                [owner], lambda _: Verdict(started=False, held_loss=True))
+        assert recovered == 1
+        [back] = [json.loads(e) for e in server.lrange(queue, 0, -1)]
+        assert back["properties"]["delivery_tag"] == tag
+        assert back["headers"][HELD_LOSSES_HEADER] == 1
+
+
+@pytest.mark.parametrize("headers", [None, [], ["not", "pairs"], "text"])
+def test_the_headers_after_a_loss_are_a_mapping_whatever_came_in(headers):
+    out = after_loss(headers, Verdict(started=True, held_loss=True))
+    assert out[HELD_LOSSES_HEADER] == 1 and len(out) == 2
