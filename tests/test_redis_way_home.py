@@ -11,14 +11,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
 from kombu import Connection, Exchange, Producer, Queue
 
 from workhorse.broker.queues import ensure_queue
-from workhorse.protocol import HELD_LOSSES_HEADER, Verdict, after_loss
+from workhorse.protocol import DEAD_REASON_HEADER, HELD_LOSSES_HEADER, Verdict, after_loss
 from workhorse.transport import REDIS as REDIS_TRANSPORT
 from workhorse.transport.redis import UNROUTED
 
@@ -32,18 +32,21 @@ UNROUTED_DEAD = UNROUTED + ".dead"
 
 @pytest.fixture
 def server() -> Iterator[redis.Redis]:
-    """Redis, and every key these tests leave: the lease bookkeeping of the tags they
-    made (a lease left behind would be swept into the next tests' queues)."""
+    """Redis, and every key these tests leave: their queues and exchanges, and the lease
+    bookkeeping of the tags they made (a lease left behind would be swept into the next
+    tests' queues)."""
     require_service("Redis", 6379)
     client = redis.Redis.from_url(REDIS_URL)
     made: list[str] = []
     client.made = made      # type: ignore[attr-defined]
     yield client
-    for tag in made:
+    names = [name for name in made if name.startswith(("t-", "x-"))]  # queues, exchanges
+    for tag in set(made) - set(names):
         for key in ("unacked", "delivery_counts", "lease_owners"):
             client.hdel(key, tag)
         client.zrem("unacked_index", tag)
-    client.delete(UNROUTED_DEAD, *[name for name in made if name.startswith("t-")])
+    client.delete(UNROUTED_DEAD, *names, *[f"_kombu.{kind}.{name}" for name in names
+                                           for kind in ("binding", "binding_permanent")])
 
 
 def _queue(server: redis.Redis) -> str:
@@ -86,6 +89,25 @@ def _sweep() -> None:
         conn.channel().qos.restore_visible(num=None, interval=1)
 
 
+def _message(tag: str) -> dict:
+    return {"body": "e30=", "content-encoding": "utf-8", "content-type": "application/json",
+            "headers": {}, "properties": {"delivery_tag": tag, "body_encoding": "base64"}}
+
+
+def _two_abandoned(server: redis.Redis, queue: str,
+                   entry: Callable[[str], bytes | str]) -> tuple[str, str]:
+    """Two leases of a worker that is gone, as its takes recorded them (counted, long
+    expired): one whose unacked entry is ``entry(its tag)``, swept first (the sweep goes
+    newest first), and an ordinary message of ``queue``. Returns their tags."""
+    first, neighbour = str(uuid.uuid4()), str(uuid.uuid4())
+    server.made += [first, neighbour]      # type: ignore[attr-defined]
+    server.hset("unacked", mapping={first: entry(first),
+                                    neighbour: json.dumps([_message(neighbour), "", queue])})
+    server.hset("delivery_counts", mapping={first: 1, neighbour: 1})
+    server.zadd("unacked_index", {first: time.time() - 600, neighbour: time.time() - 601})
+    return first, neighbour
+
+
 def _tags(server: redis.Redis, queue: str) -> list[str]:
     return [json.loads(entry)["properties"]["delivery_tag"]
             for entry in server.lrange(queue, 0, -1)]
@@ -122,7 +144,7 @@ def test_a_message_a_topic_exchange_routed_goes_back_only_to_its_own_queue(serve
     that to every queue the key matches, each of which had its copy already."""
     first, second = _queue(server), _queue(server)
     exchange = Exchange(f"x-{uuid.uuid4().hex[:8]}", type="topic")
-    server.made.append(f"_kombu.binding.{exchange.name}")      # type: ignore[attr-defined]
+    server.made.append(exchange.name)      # type: ignore[attr-defined]
     with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
         for name in (first, second):
             Queue(name, exchange, routing_key="jobs.#")(conn.default_channel).declare()
@@ -148,16 +170,8 @@ def test_an_entry_with_no_way_home_goes_to_unrouted_dead_and_the_sweep_goes_on(
     (or a Celery worker's, of a queue whose binding is gone): kombu raised on it at every
     sweep, and the entries behind it never came back."""
     queue = _queue(server)
-    lost, neighbour = str(uuid.uuid4()), str(uuid.uuid4())
-    server.made += [lost, neighbour]      # type: ignore[attr-defined]
-    message = {"body": "e30=", "content-encoding": "utf-8",
-               "content-type": "application/json", "headers": {},
-               "properties": {"delivery_tag": lost, "body_encoding": "base64"}}
-    other = {**message, "properties": {"delivery_tag": neighbour, "body_encoding": "base64"}}
-    server.hset("unacked", mapping={lost: json.dumps([message, "", ""]),
-                                    neighbour: json.dumps([other, "", queue])})
-    server.hset("delivery_counts", mapping={lost: 1, neighbour: 1})     # as a take counts
-    _expire(server, lost, neighbour)
+    lost, neighbour = _two_abandoned(
+        server, queue, lambda tag: json.dumps([_message(tag), "", ""]))
     with caplog.at_level(logging.ERROR, logger="workhorse.transport.redis"):
         _sweep()
     assert _tags(server, queue) == [neighbour]
@@ -187,3 +201,47 @@ def test_a_dead_workers_message_with_null_headers_is_recovered_home_counted(serv
 def test_the_headers_after_a_loss_are_a_mapping_whatever_came_in(headers):
     out = after_loss(headers, Verdict(started=True, held_loss=True))
     assert out[HELD_LOSSES_HEADER] == 1 and len(out) == 2
+
+
+def _envelopes(server: redis.Redis) -> list[dict]:
+    return [json.loads(e) for e in server.lrange(UNROUTED_DEAD, 0, -1)]
+
+
+UNREADABLE_ENTRIES = {
+    "not JSON": b"\xff not JSON",
+    "invalid UTF-8": b'[{"body": "\xff", "headers": {}, "properties": {}}, "", "q"]',
+    "two items": b'[{"properties": {}}, ""]',
+    "a list for the message": b'[[1, 2], "", "q"]',
+    "a number for the routing key": b'[{"properties": {}}, "", 5]',
+    "an object": b'{"a": 1}',
+}
+
+
+@pytest.mark.parametrize("raw", UNREADABLE_ENTRIES.values(), ids=UNREADABLE_ENTRIES.keys())
+def test_an_unreadable_entry_goes_to_unrouted_dead_in_its_envelope_and_the_sweep_goes_on(
+        server, raw):
+    """Written by another program or by hand: kombu's sweep raised on it every time,
+    and the entries behind it (swept after it: newest first) never came back."""
+    queue = _queue(server)
+    bad, neighbour = _two_abandoned(server, queue, lambda _: raw)
+    _sweep()
+    assert _tags(server, queue) == [neighbour]
+    [envelope] = _envelopes(server)
+    assert base64.b64decode(envelope["body"]) == raw
+    assert envelope["headers"][DEAD_REASON_HEADER].startswith("unreadable: ")
+    assert not server.hexists("unacked", bad) and server.zscore("unacked_index", bad) is None
+
+
+def test_a_dead_workers_unreadable_entry_is_recovered_into_its_envelope(server):
+    tag, owner = str(uuid.uuid4()), f"owner-{uuid.uuid4().hex[:8]}"
+    server.made.append(tag)      # type: ignore[attr-defined]
+    raw = b'[[1, 2], "", "q"]'
+    server.hset("unacked", tag, raw)
+    server.hset("lease_owners", tag, owner)
+    server.zadd("unacked_index", {tag: time.time()})
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        assert conn.channel().recover(
+            [owner], lambda _: Verdict(started=True, held_loss=False)) == 1
+    [envelope] = _envelopes(server)
+    assert base64.b64decode(envelope["body"]) == raw
+    assert not server.hexists("unacked", tag) and not server.hexists("lease_owners", tag)

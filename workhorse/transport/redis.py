@@ -45,6 +45,8 @@ messages for long (Celery's well-known duplicates):
    readable envelope in ``<queue>.dead`` (``workhorse.transport.unreadable``). An entry
    the script could read but Python cannot (invalid UTF-8, a body that is not base64) is
    replaced by its envelope the same way, from its unacked entry, while the lease is ours.
+   An unacked entry that cannot be read when it is put back (``Channel.put_back``) goes
+   to ``unrouted.dead`` in its envelope: kombu's sweep raised on it, every sweep.
 
 6. Celery *workers* consuming the same database renew nothing, so our short timeout says
    nothing about whether one holding a message is alive. Their leases have no delivery
@@ -337,7 +339,7 @@ class QoS(redis.QoS):
     def _restore_by_tag(self, tag: str, client: Any, leftmost: bool, uncount: bool) -> None:
         if tag not in self._scores:
             if not self._foreign_and_fresh(tag, client):
-                super().restore_by_tag(tag, client, leftmost)
+                self._restore_unheld(tag, client, leftmost)
             return
         score = self._scores[tag]
         self._scores[tag] = None      # put back or found lost: this lease is over either way
@@ -357,8 +359,7 @@ class QoS(redis.QoS):
             if uncount:
                 pipe.hincrby(self.channel.delivery_counts_key, tag, -1)
             if payload:
-                message, exchange, routing_key = loads(payload)
-                self.channel._do_restore_message(message, exchange, routing_key, pipe, leftmost)
+                self.channel.put_back(pipe, tag, payload, leftmost)
 
         if not lost:
             self._record_late()
@@ -369,6 +370,19 @@ class QoS(redis.QoS):
                         "delivered elsewhere is left alone", tag)
             if uncount:
                 self._uncount_lost(tag, None)
+
+    def _restore_unheld(self, tag: str, client: Any, leftmost: bool) -> None:
+        """kombu's restore, of a message not delivered here (the sweep's: its worker is
+        gone), its entry read by ``Channel.put_back``."""
+        def restore(pipe: Any) -> None:
+            payload = pipe.hget(self.unacked_key, tag)
+            pipe.multi()
+            self._remove_from_indices(tag, pipe)
+            if payload:
+                self.channel.put_back(pipe, tag, payload, leftmost)
+
+        with self.channel.conn_or_acquire(client) as client:
+            client.transaction(restore, self.unacked_key)
 
     def _foreign_and_fresh(self, tag: str, client: Any) -> bool:
         """Is ``tag`` a lease no workhorse worker took (a take counts every delivery; a
@@ -498,6 +512,25 @@ class Channel(Delivering, redis.Channel):
         finally:
             self._getting_from = ""
 
+    def put_back(self, pipe: Any, tag: str, raw: bytes | str, leftmost: bool = False,
+                 edit: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """Put the message of unacked entry ``raw`` back home, on ``pipe`` (in the
+        transaction that removes the entry), ``edit`` applied to it first. An entry that
+        cannot be read (written by another program or by hand: kombu's sweep raised on it
+        every time, and the entries behind it never came back) goes to ``unrouted.dead``
+        in its envelope, logged."""
+        entry, why = _read_entry(raw)
+        if entry is None:
+            dead = dead_letter_queue(UNROUTED)
+            pipe.lpush(dead, unreadable.envelope(raw, why, UNROUTED))
+            log.error("message %s: its unacked entry cannot be read (%s): moved to %s in an "
+                      "envelope: %.200r", tag, why, dead, raw)
+            return
+        message, exchange, routing_key = entry
+        if edit is not None:
+            edit(message)
+        self._do_restore_message(message, exchange, routing_key, pipe, leftmost)
+
     def _do_restore_message(self, payload: dict[str, Any], exchange: str, routing_key: str,
                             pipe: Any, leftmost: bool = False) -> None:
         """Put an unacked entry's message back on its way home (the queue it was taken
@@ -569,9 +602,7 @@ class Channel(Delivering, redis.Channel):
             if not verdict.started and counted > 0:
                 pipe.hincrby(self.delivery_counts_key, tag, -1)
             if entry:
-                message, exchange, routing_key = loads(entry)
-                message["headers"] = after_loss(message.get("headers"), verdict)
-                self._do_restore_message(message, exchange, routing_key, pipe)
+                self.put_back(pipe, tag, entry, edit=partial(_after_loss, verdict=verdict))
             done = True
         client.transaction(recover, self.unacked_key, self.unacked_index_key,
                            self.lease_owners_key, self.delivery_counts_key)
@@ -839,6 +870,28 @@ class Channel(Delivering, redis.Channel):
 
 #: Where a message put back with no way home goes, with the dead letters' suffix.
 UNROUTED = "unrouted"
+
+
+def _read_entry(raw: bytes | str) -> tuple[tuple[dict[str, Any], str, str] | None, str]:
+    """An unacked entry as (message, exchange, routing key), or None and why not."""
+    try:
+        entry = loads(raw)
+    except (ValueError, TypeError) as exc:   # UnicodeDecodeError, kombu's typed values
+        return None, f"not JSON ({exc})"
+    except RecursionError:
+        return None, "JSON nested too deeply to read"
+    if not (isinstance(entry, list) and len(entry) == 3):
+        return None, "not kombu's [message, exchange, routing key]"
+    message, exchange, routing_key = entry
+    if not isinstance(message, dict):
+        return None, f"its message is JSON {type(message).__name__}, not an object"
+    if not (isinstance(exchange, str) and isinstance(routing_key, str)):
+        return None, "its exchange or routing key is not a string"
+    return (message, exchange, routing_key), ""
+
+
+def _after_loss(message: dict[str, Any], verdict: Verdict) -> None:
+    message["headers"] = after_loss(message.get("headers"), verdict)
 
 
 def _tag_of(payload: dict[str, Any]) -> Any:
