@@ -11,16 +11,17 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import pytest
 import redis
-from kombu import Connection, Exchange, Producer, Queue
+from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from workhorse.broker.queues import ensure_queue
-from workhorse.protocol import DEAD_REASON_HEADER, HELD_LOSSES_HEADER, Verdict, after_loss
+from workhorse.protocol import (DEAD_AT_HEADER, DEAD_REASON_HEADER, HELD_LOSSES_HEADER,
+                                Verdict, after_loss)
 from workhorse.transport import REDIS as REDIS_TRANSPORT
-from workhorse.transport.redis import UNROUTED
+from workhorse.transport.redis import NO_WAY_HOME, UNROUTED
 
 from .conftest import REDIS_URL, require_service, wait_until
 from .test_unreadable import _taking
@@ -28,6 +29,8 @@ from .test_unreadable import _taking
 pytestmark = pytest.mark.timeout(60)
 
 UNROUTED_DEAD = UNROUTED + ".dead"
+#: kombu's separator of a queue's name and its priority, in the names of its lists.
+SEP = "\x06\x16"
 
 
 @pytest.fixture
@@ -45,8 +48,23 @@ def server() -> Iterator[redis.Redis]:
         for key in ("unacked", "delivery_counts", "lease_owners"):
             client.hdel(key, tag)
         client.zrem("unacked_index", tag)
-    client.delete(UNROUTED_DEAD, *names, *[f"_kombu.{kind}.{name}" for name in names
-                                           for kind in ("binding", "binding_permanent")])
+    for raw, _ in _unrouted(client, made):
+        client.lrem(UNROUTED_DEAD, 1, raw)
+    for name in names:
+        client.delete(name, *[f"{name}{SEP}{priority}" for priority in (3, 6, 9)],
+                      *[f"_kombu.{kind}.{name}" for kind in ("binding", "binding_permanent")])
+
+
+def _unrouted(server: redis.Redis, marks: Iterable[str]) -> list[tuple[bytes, dict]]:
+    """The entries of unrouted.dead (raw, and read) that carry one of ``marks`` (these
+    tests' tags), in them or in their envelope's body: another test's are not ours."""
+    found = []
+    for raw in server.lrange(UNROUTED_DEAD, 0, -1):
+        entry = json.loads(raw)
+        text = raw + base64.b64decode(entry.get("body") or "")
+        if any(mark.encode() in text for mark in marks):
+            found.append((raw, entry))
+    return found
 
 
 def _queue(server: redis.Redis) -> str:
@@ -87,6 +105,21 @@ def _sweep() -> None:
     with Connection(REDIS_URL, transport=REDIS_TRANSPORT,
                     transport_options={"visibility_timeout": 1}) as conn:
         conn.channel().qos.restore_visible(num=None, interval=1)
+
+
+def _take_and_put_back(server: redis.Redis, conn: Connection, queue: str, how: str) -> str:
+    """Take ``queue``'s next message as the worker does, then put it back: requeued, or
+    swept once its lease is long past. Returns its tag."""
+    channel, got = _taking(conn, queue)
+    wait_until(lambda: channel.take() and got, 5, "a message to be taken")
+    tag = got[0].delivery_tag
+    server.made.append(tag)      # type: ignore[attr-defined]
+    if how == "requeue":
+        got[0].requeue()
+    else:
+        _expire(server, tag)
+        _sweep()
+    return tag
 
 
 def _message(tag: str) -> dict:
@@ -130,7 +163,7 @@ def test_a_message_with_no_routing_key_is_swept_back_to_its_queue_with_the_rest(
         _sweep()        # (from another connection: this one still thinks it holds them)
         assert sorted(_tags(server, queue)) == sorted([odd, neighbour])
         assert not server.hexists("unacked", odd) and not server.hexists("unacked", neighbour)
-        assert server.llen(UNROUTED_DEAD) == 0
+        assert _unrouted(server, [odd, neighbour]) == []
         # a put-back counts the delivery it had (kombu's sweep keeps it)
         assert int(server.hget("delivery_counts", odd)) == 1
         back = json.loads(next(e for e in server.lrange(queue, 0, -1) if odd.encode() in e))
@@ -151,15 +184,7 @@ def test_a_message_a_topic_exchange_routed_goes_back_only_to_its_own_queue(serve
         Producer(conn).publish({"n": 1}, exchange=exchange, routing_key="jobs.one",
                                serializer="json")
         assert server.llen(first) == server.llen(second) == 1
-        channel, got = _taking(conn, first)
-        wait_until(lambda: channel.take() and got, 5, "the first queue's copy to be taken")
-        tag = got[0].delivery_tag
-        server.made.append(tag)      # type: ignore[attr-defined]
-        if how == "requeue":
-            got[0].requeue()
-        else:
-            _expire(server, tag)
-            _sweep()
+        tag = _take_and_put_back(server, conn, first, how)
         assert (server.llen(first), server.llen(second)) == (1, 1)
         assert not server.hexists("unacked", tag)
 
@@ -175,7 +200,10 @@ def test_an_entry_with_no_way_home_goes_to_unrouted_dead_and_the_sweep_goes_on(
     with caplog.at_level(logging.ERROR, logger="workhorse.transport.redis"):
         _sweep()
     assert _tags(server, queue) == [neighbour]
-    assert _tags(server, UNROUTED_DEAD) == [lost]
+    [(_, moved)] = _unrouted(server, [lost])
+    assert moved["properties"]["delivery_tag"] == lost
+    assert moved["headers"][DEAD_REASON_HEADER] == f"{UNROUTED}: {NO_WAY_HOME}"
+    assert moved["headers"][DEAD_AT_HEADER]
     assert not server.hexists("unacked", lost) and not server.hexists("unacked", neighbour)
     assert f"message {lost}: put back, but it has no way home" in caplog.text
 
@@ -203,17 +231,17 @@ def test_the_headers_after_a_loss_are_a_mapping_whatever_came_in(headers):
     assert out[HELD_LOSSES_HEADER] == 1 and len(out) == 2
 
 
-def _envelopes(server: redis.Redis) -> list[dict]:
-    return [json.loads(e) for e in server.lrange(UNROUTED_DEAD, 0, -1)]
-
-
+#: Entries no sweep can put back, each marked by its tag where the ``@`` is.
 UNREADABLE_ENTRIES = {
-    "not JSON": b"\xff not JSON",
-    "invalid UTF-8": b'[{"body": "\xff", "headers": {}, "properties": {}}, "", "q"]',
-    "two items": b'[{"properties": {}}, ""]',
-    "a list for the message": b'[[1, 2], "", "q"]',
-    "a number for the routing key": b'[{"properties": {}}, "", 5]',
-    "an object": b'{"a": 1}',
+    "not JSON": b"\xff not JSON @",
+    "invalid UTF-8": b'[{"body": "\xff", "headers": {}, "properties": {"x": "@"}}, "", "q"]',
+    "two items": b'[{"properties": {"x": "@"}}, ""]',
+    "a list for the message": b'[[1, "@"], "", "q"]',
+    "a number for the routing key": b'[{"properties": {"x": "@"}}, "", 5]',
+    "an object": b'{"a": "@"}',
+    "a kombu typed value that does not decode": (
+        b'[{"properties": {"x": "@"}, "headers": {"h": {"__type__": "bytes", "__value__": 1}}},'
+        b' "", "q"]'),
 }
 
 
@@ -223,11 +251,11 @@ def test_an_unreadable_entry_goes_to_unrouted_dead_in_its_envelope_and_the_sweep
     """Written by another program or by hand: kombu's sweep raised on it every time,
     and the entries behind it (swept after it: newest first) never came back."""
     queue = _queue(server)
-    bad, neighbour = _two_abandoned(server, queue, lambda _: raw)
+    bad, neighbour = _two_abandoned(server, queue, lambda tag: raw.replace(b"@", tag.encode()))
     _sweep()
     assert _tags(server, queue) == [neighbour]
-    [envelope] = _envelopes(server)
-    assert base64.b64decode(envelope["body"]) == raw
+    [(_, envelope)] = _unrouted(server, [bad])
+    assert base64.b64decode(envelope["body"]) == raw.replace(b"@", bad.encode())
     assert envelope["headers"][DEAD_REASON_HEADER].startswith("unreadable: ")
     assert not server.hexists("unacked", bad) and server.zscore("unacked_index", bad) is None
 
@@ -235,13 +263,42 @@ def test_an_unreadable_entry_goes_to_unrouted_dead_in_its_envelope_and_the_sweep
 def test_a_dead_workers_unreadable_entry_is_recovered_into_its_envelope(server):
     tag, owner = str(uuid.uuid4()), f"owner-{uuid.uuid4().hex[:8]}"
     server.made.append(tag)      # type: ignore[attr-defined]
-    raw = b'[[1, 2], "", "q"]'
+    raw = json.dumps([[1, tag], "", "q"]).encode()
     server.hset("unacked", tag, raw)
     server.hset("lease_owners", tag, owner)
     server.zadd("unacked_index", {tag: time.time()})
     with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
         assert conn.channel().recover(
             [owner], lambda _: Verdict(started=True, held_loss=False)) == 1
-    [envelope] = _envelopes(server)
+    [(_, envelope)] = _unrouted(server, [tag])
     assert base64.b64decode(envelope["body"]) == raw
     assert not server.hexists("unacked", tag) and not server.hexists("lease_owners", tag)
+
+
+@pytest.mark.parametrize("how", ["requeue", "sweep"])
+def test_a_message_of_a_priority_goes_back_to_its_priority_list(server, how):
+    """The take records the queue's name, its list's priority suffix cut off: the
+    message goes back to the list of its own priority."""
+    queue = _queue(server)
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        Producer(conn).publish({"n": 1}, exchange="", routing_key=queue, priority=9,
+                               serializer="json")
+        assert server.llen(f"{queue}{SEP}9") == 1
+        _take_and_put_back(server, conn, queue, how)
+        assert server.llen(f"{queue}{SEP}9") == 1
+        assert [k for k in server.keys(f"{queue}*") if k != f"{queue}{SEP}9".encode()] == []
+
+
+def test_a_message_kombu_delivered_itself_goes_back_by_its_routing_key(server):
+    """Consumed through kombu's own delivery (its BRPOP, not the worker's take), a
+    message's lease records its exchange and routing key, as kombu's does."""
+    queue = _queue(server)
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        Producer(conn).publish({"n": 1}, exchange="", routing_key=queue, serializer="json")
+        got: list = []
+        Consumer(conn.channel(), [Queue(queue)], on_message=got.append, no_ack=False).consume()
+        wait_until(lambda: conn.drain_events(timeout=1) or got, 10, "the message")
+        server.made.append(got[0].delivery_tag)      # type: ignore[attr-defined]
+        got[0].requeue()
+        assert server.llen(queue) == 1
+        assert _unrouted(server, [got[0].delivery_tag]) == []

@@ -48,6 +48,10 @@ TOO_DEEP = ('{"body": "", "properties": {"delivery_tag": "t2", "body_encoding": 
     (json.dumps({**TAGGED, "body": "w6k\u00e9"}).encode(), "body is not base64"),  # not ASCII
     (json.dumps({**TAGGED, "properties": {"delivery_tag": "t", "body_encoding": "rot13"}}
                 ).encode(), "unknown body_encoding 'rot13'"),
+    (json.dumps({**TAGGED, "headers": {"x": {"__type__": "bytes", "__value__": 1}}}).encode(),
+     "a value kombu cannot decode (AttributeError"),
+    (json.dumps({**TAGGED, "headers": {"x": {"__type__": "decimal", "__value__": "x"}}}
+                ).encode(), "a value kombu cannot decode (InvalidOperation"),
 ])
 def test_each_kind_of_unreadable_entry_is_named(raw, why):
     message, reason = unreadable.read(raw, tagged=True)
@@ -121,11 +125,18 @@ def test_redis_leaves_an_unreadable_entry_alone_once_it_is_no_longer_next(redis_
     assert server.llen(redis_queue + ".dead") == 0
 
 
-def test_redis_replaces_a_taken_message_python_cannot_read_by_its_envelope(redis_queue):
-    """Lua's JSON reads it (a delivery tag), Python's does not (the body is not base64):
-    its lease, unacked entry and delivery count go, its envelope goes to the dead list."""
+@pytest.mark.parametrize(("body", "headers", "why"), [
+    ("abc", {}, "body is not base64"),
+    # kombu's typed values, whose decoders raise what no JSON error is (a take raised it)
+    ("", {"x": {"__type__": "bytes", "__value__": 1}}, "a value kombu cannot decode"),
+    ("", {"x": {"__type__": "decimal", "__value__": "x"}}, "a value kombu cannot decode"),
+])
+def test_redis_replaces_a_taken_message_python_cannot_read_by_its_envelope(
+        redis_queue, body, headers, why):
+    """Lua's JSON reads it (a delivery tag), Python's does not: its lease, unacked entry
+    and delivery count go, its envelope goes to the dead list."""
     server = redis.Redis.from_url(REDIS_URL)
-    raw = json.dumps({"body": "abc", "headers": {},
+    raw = json.dumps({"body": body, "headers": headers,
                       "properties": {"delivery_tag": "bad-tag", "body_encoding": "base64"}})
     server.lpush(redis_queue, raw)
     with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
@@ -137,13 +148,15 @@ def test_redis_replaces_a_taken_message_python_cannot_read_by_its_envelope(redis
     assert not server.hexists("delivery_counts", "bad-tag")
     [envelope] = _dead_envelopes(server, redis_queue)
     assert base64.b64decode(envelope["body"]).decode() == raw
-    assert envelope["headers"][DEAD_REASON_HEADER].startswith("unreadable: body is not base64")
+    assert envelope["headers"][DEAD_REASON_HEADER].startswith(f"unreadable: {why}")
 
 
 # ---------------------------------------------------------------------------- SQLite
 @pytest.mark.parametrize(("raw", "why"), [
     ("garbage{", "unreadable: not JSON"),
     (TOO_DEEP, "unreadable: JSON nested too deeply to read"),
+    (json.dumps({**TAGGED, "headers": {"x": {"__type__": "bytes", "__value__": 1}}}),
+     "unreadable: a value kombu cannot decode"),
 ])
 def test_sqlite_replaces_an_unreadable_row_by_its_envelope_and_goes_on(tmp_path: Path, raw,
                                                                        why):

@@ -68,6 +68,7 @@ import ssl
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
+from datetime import UTC, datetime
 from time import monotonic, time
 from typing import Any, NamedTuple
 
@@ -77,7 +78,8 @@ from kombu.transport import redis, virtual
 from kombu.utils.json import dumps, loads
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from ..protocol import Verdict, after_loss, dead_letter_queue
+from ..protocol import (DEAD_AT_HEADER, DEAD_REASON_HEADER, Verdict, after_loss,
+                        dead_letter_queue)
 from . import fenced, unreadable
 from .luascript import Direct, Script
 from .backlog import Backlog, sent_at, stamp_properties
@@ -252,8 +254,13 @@ class QoS(redis.QoS):
             virtual.QoS.append(self, message, delivery_tag)
             return
         score = time()
-        # The way home, as a take writes it: the queue it came from (basic_get's).
-        entry = dumps([message._raw, "", self.channel._getting_from])
+        # The way home, as a take writes it: the queue it came from (basic_get's); else
+        # (kombu's own delivery) its exchange and routing key, as kombu writes them.
+        queue = self.channel._getting_from
+        delivery = message.delivery_info if isinstance(message.delivery_info, dict) else {}
+        entry = dumps([message._raw, "", queue] if queue else [
+            message._raw, _text_or_empty(delivery.get("exchange")),
+            _text_or_empty(delivery.get("routing_key"))])
         self._scores[delivery_tag] = score
         try:
             self._record(delivery_tag, entry, score)
@@ -549,8 +556,13 @@ class Channel(Delivering, redis.Channel):
             exchange or routing_key) else []
         if not queues:
             queues = [dead_letter_queue(UNROUTED)]
-            log.error("message %s: put back, but it has no way home (no exchange or routing "
-                      "key, and no queue recorded): moved to %s", _tag_of(payload), queues[0])
+            headers = payload.get("headers")
+            if not isinstance(headers, dict):
+                headers = payload["headers"] = {}
+            headers.update({DEAD_REASON_HEADER: f"{UNROUTED}: {NO_WAY_HOME}",
+                            DEAD_AT_HEADER: datetime.now(UTC).isoformat()})
+            log.error("message %s: put back, but %s: moved to %s", _tag_of(payload),
+                      NO_WAY_HOME, queues[0])
         priority = self._get_message_priority(payload, reverse=False)
         text = dumps(payload)
         push = pipe.lpush if leftmost else pipe.rpush
@@ -870,16 +882,18 @@ class Channel(Delivering, redis.Channel):
 
 #: Where a message put back with no way home goes, with the dead letters' suffix.
 UNROUTED = "unrouted"
+NO_WAY_HOME = "it has no way home (no exchange or routing key, and no queue recorded)"
+
+
+def _text_or_empty(value: Any) -> str:
+    return value if isinstance(value, str) else ""
 
 
 def _read_entry(raw: bytes | str) -> tuple[tuple[dict[str, Any], str, str] | None, str]:
     """An unacked entry as (message, exchange, routing key), or None and why not."""
-    try:
-        entry = loads(raw)
-    except (ValueError, TypeError) as exc:   # UnicodeDecodeError, kombu's typed values
-        return None, f"not JSON ({exc})"
-    except RecursionError:
-        return None, "JSON nested too deeply to read"
+    entry, why = unreadable.decode(raw)
+    if why is not None:
+        return None, why
     if not (isinstance(entry, list) and len(entry) == 3):
         return None, "not kombu's [message, exchange, routing key]"
     message, exchange, routing_key = entry

@@ -69,12 +69,9 @@ def read(raw: bytes | str, *, tagged: bool) -> tuple[dict[str, Any] | None, str 
     SQLite transport makes a fresh one for each lease)."""
     if not raw:
         return None, "an empty entry"
-    try:
-        message = _loads(raw)
-    except (ValueError, TypeError) as exc:   # UnicodeDecodeError, kombu's typed values
-        return None, f"not JSON ({exc})"
-    except RecursionError:      # (no decoder here reads it: kombu's neither)
-        return None, "JSON nested too deeply to read"
+    message, why = decode(raw)
+    if why is not None:
+        return None, why
     if not isinstance(message, dict):
         return None, f"JSON {type(message).__name__}, not kombu's message object"
     properties = message.get("properties")
@@ -95,6 +92,19 @@ def read(raw: bytes | str, *, tagged: bool) -> tuple[dict[str, Any] | None, str 
         except (binascii.Error, ValueError) as exc:
             return None, f"body is not base64 ({exc})"
     return message, None
+
+
+def decode(raw: bytes | str) -> tuple[Any, str | None]:
+    """``(value, None)``: ``raw``'s JSON as kombu decodes it; else ``(None, why)``."""
+    try:
+        return _loads(raw), None
+    except RecursionError:      # (no decoder here reads it: kombu's neither)
+        return None, "JSON nested too deeply to read"
+    except (ValueError, TypeError) as exc:   # UnicodeDecodeError, kombu's typed values
+        return None, f"not JSON ({exc})"
+    except Exception as exc:    # noqa: BLE001 - a typed value ({"__type__": ..., ...})
+        # whose decoder raised something else: an AttributeError, decimal's InvalidOperation
+        return None, f"a value kombu cannot decode ({type(exc).__name__}: {exc})"
 
 
 def _loads(raw: bytes | str) -> Any:
