@@ -114,6 +114,21 @@ def test_redis_take_replaces_a_raw_entry_by_its_envelope_and_goes_on(redis_queue
     assert server.llen(redis_queue) == 0
 
 
+@pytest.mark.parametrize("raw", [
+    b"\xff raw", TOO_DEEP.encode(), b"[1, 2]",
+    json.dumps({**TAGGED, "headers": {"x": {"__type__": "decimal", "__value__": "x"}}}).encode(),
+])
+def test_redis_backlog_reads_a_queue_whose_next_entry_is_unreadable(redis_queue, raw):
+    """Its length is known, its age is not (the autoscaler bounds it); before, a typed
+    value that does not decode raised, and the backlog thread read nothing."""
+    redis.Redis.from_url(REDIS_URL).lpush(redis_queue, raw)
+    with Connection(REDIS_URL, transport=REDIS_TRANSPORT) as conn:
+        channel = conn.channel()
+        ensure_queue(conn, redis_queue)(channel).declare()
+        backlog = channel.backlog(redis_queue)
+    assert (backlog.ready, backlog.oldest_sent) == (1, None)
+
+
 def test_redis_leaves_an_unreadable_entry_alone_once_it_is_no_longer_next(redis_queue):
     """The envelope replaces the entry only if it is still next in its list (another
     worker may have dead-lettered it meanwhile, and the next may be a message)."""

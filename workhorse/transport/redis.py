@@ -75,7 +75,7 @@ from typing import Any, NamedTuple
 import hiredis
 from hiredis import pack_command
 from kombu.transport import redis, virtual
-from kombu.utils.json import dumps, loads
+from kombu.utils.json import dumps
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from ..protocol import (DEAD_AT_HEADER, DEAD_REASON_HEADER, Verdict, after_loss,
@@ -634,10 +634,10 @@ class Channel(Delivering, redis.Channel):
             ready += int(length)
             if payload is None:
                 continue
+            message, _ = unreadable.decode(payload)
             try:
-                message = loads(payload)
                 sent = sent_at(message.get("properties"), message.get("headers"))
-            except (ValueError, TypeError, AttributeError, RecursionError):
+            except (TypeError, AttributeError):     # not kombu's layout (None: unreadable)
                 sent = None
             if sent is None:
                 known = False
