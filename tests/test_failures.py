@@ -2,13 +2,21 @@
 Reject, error callbacks, links and chains."""
 from __future__ import annotations
 
+import contextlib
+import signal
+import uuid
+
 import pytest
+import redis
+from kombu import Exchange, Producer
 
 from workhorse import MaxRetriesExceededError, chain
 from workhorse.broker.consumer import DEAD_REASON_HEADER
+from workhorse.broker.queues import task_queue
+from workhorse.protocol import build_message
 from workhorse.states import FAILURE, PENDING, RETRY, SUCCESS
 
-from .conftest import wait_until
+from .conftest import runs, wait_until
 from .test_delivery import dead_letters, failure, starts
 
 pytestmark = pytest.mark.timeout(120)
@@ -256,6 +264,49 @@ def test_a_requeued_message_is_seen_as_redelivered_with_its_priority(broker, cli
     start_worker(broker)
     result = reject_until_redelivered.apply_async(priority=3)
     assert result.get(timeout=30) == [True, 3]
+
+
+def test_a_message_handed_back_returns_to_its_own_queue_only(broker, client, start_worker,
+                                                              tmp_path):
+    """A Celery producer's message a topic exchange routed to the worker's queue and to
+    another, buffered when a warm shutdown hands it back: it returns to the worker's
+    queue, once, and the other queue keeps its one copy. (On Redis, kombu put a message
+    back by its exchange and routing key: into every queue the key matched, or, in a
+    process that had not declared the exchange, nowhere, and the hand-back failed.)"""
+    from tests.apps.basic import record
+    other = broker.queue + "-other"
+    broker.extra_queues.append(other)
+    running = record.delay(10)      # (holds the one child past the hand-back)
+    worker = start_worker(broker, concurrency=1, prefetch_multiplier=4)
+    wait_until(lambda: runs(tmp_path), 20, "the first task to start")
+    topic = Exchange(f"x-{uuid.uuid4().hex[:8]}", type="topic", auto_delete=True)
+    task_id = str(uuid.uuid4())
+    message = build_message(record.name, task_id)
+    with broker.connection() as conn:
+        channel = conn.default_channel
+        topic(channel).declare()
+        try:
+            for name in (broker.queue, other):
+                queue = task_queue(name, broker.queue_type)(channel)
+                queue.declare()
+                queue.bind_to(topic, "jobs.#")
+            Producer(conn).publish(message.body, exchange=topic, routing_key="jobs.one",
+                                   serializer="json", headers=message.headers,
+                                   **message.properties)
+            wait_until(lambda: broker.queue_size() == 0, 10, "the message to be buffered")
+            worker.signal(signal.SIGTERM)
+            wait_until(lambda: broker.queue_size() == 1, 5,
+                       "the buffered message back before the running one ends")
+            assert worker.wait_exit(30) == 0
+            assert running.get(timeout=5) == running.id
+            assert (broker.queue_size(), broker.queue_size(other)) == (1, 1)
+            assert starts(tmp_path, task_id) == 0
+        finally:
+            with contextlib.suppress(Exception):
+                topic(channel).delete()
+            if broker.kind == "redis":      # (kombu leaves an exchange's bindings there)
+                redis.Redis.from_url(broker.url).delete(
+                    *[f"_kombu.{kind}.{topic.name}" for kind in ("binding", "binding_permanent")])
 
 
 @pytest.mark.parametrize("shape", ["group last", "chord last", "group then task",
